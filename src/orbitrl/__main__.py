@@ -1,0 +1,5 @@
+import sys
+
+from orbitrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""``orbitrl`` console script: train | sft | generate | plan | eval | export | report.
+
+Each subcommand lives in ``orbitrl.commands.<name>`` with ``add_arguments(parser)`` and
+``run(args) -> int``; those modules import torch lazily so that ``--help`` is instant.
+Expected errors (:class:`OrbitError`) print one line and exit 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from orbitrl.errors import OrbitError
+
+COMMANDS = {
+    "train": "run RL post-training (GRPO/PPO); no arguments: the built-in task",
+    "sft": "supervised fine-tuning on prompt/answer pairs",
+    "generate": "sample completions for a JSONL file of prompts",
+    "plan": "predict memory, bytes moved and step time for a model and cluster",
+    "eval": "greedy accuracy of a model (plus adapter) on a task or data file",
+    "export": "write a run's policy as PEFT adapters or a merged HF directory",
+    "report": "plots and an HTML page for a run directory",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orbitrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        mod = importlib.import_module(f"orbitrl.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._module.run(args) or 0)
+    except OrbitError as e:
+        print(f"orbitrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"orbitrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Dense attention over the tokens of one forward call, with packing and sliding windows.
+
+Sequences may be packed into one row: ``seq_ids`` [B, T] names the sequence each token
+belongs to (-1 marks padding) and ``positions`` [B, T] its position inside that sequence.
+A token attends to earlier tokens of its own sequence only. The engine replaces this with
+attention over its paged KV cache through the ``attn`` backend argument of the decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def build_mask(seq_ids: torch.Tensor, positions: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, T]; True = may attend."""
+    T = seq_ids.shape[1]
+    idx = torch.arange(T, device=seq_ids.device)
+    causal = idx[None, :, None] >= idx[None, None, :]  # [1, T, T]
+    same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, T, T]
+    mask = causal & same
+    if window is not None:
+        mask &= (positions[:, :, None] - positions[:, None, :]) < window
+    # padding rows (seq_id -1) see only themselves, so softmax has no empty row
+    eye = torch.eye(T, dtype=torch.bool, device=seq_ids.device)[None]
+    mask |= eye & (seq_ids < 0)[:, :, None]
+    return mask[:, None]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: [B, 1, T, S] -> [B, T, Hq, D]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         is_causal=False, enable_gqa=gqa)
+    return out.transpose(1, 2)

@@ -1,0 +1,136 @@
+"""Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orbitrl.errors import OrbitError
+
+# model_type -> (qkv bias default, q/k RMSNorm)
+FAMILIES = {
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_params: dict = field(default_factory=dict)
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    # per layer: None (full attention) or a window length in tokens
+    sliding_windows: list = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    hf: dict = field(default_factory=dict, repr=False)  # the raw config.json, for export
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise OrbitError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * self.num_layers
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        attn += (2 * d if self.qk_norm else 0) + (h if self.o_bias else 0)
+        mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        return self.num_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        mt = hf.get("model_type")
+        if mt not in FAMILIES:
+            arch = hf.get("architectures") or [mt]
+            raise OrbitError(f"{source}: unsupported architecture {arch[0]!r} (model_type "
+                             f"{mt!r}); supported model_type: {', '.join(FAMILIES)}")
+        qkv_default, qk_norm = FAMILIES[mt]
+        try:
+            heads = hf["num_attention_heads"]
+            hidden = hf["hidden_size"]
+            n_layers = hf["num_hidden_layers"]
+            kw = dict(vocab_size=hf["vocab_size"], hidden_size=hidden,
+                      intermediate_size=hf["intermediate_size"], num_layers=n_layers)
+        except KeyError as e:
+            raise OrbitError(f"{source}: missing key {e.args[0]!r}") from None
+        act = hf.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise OrbitError(f"{source}: unsupported hidden_act {act!r} (only silu)")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise OrbitError(f"{source}: unsupported rope type {rope_type!r} "
+                             f"(supported: {', '.join(ROPE_TYPES)})")
+        if mt == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(hf.get("attention_bias", qkv_default))
+        windows = _sliding_windows(hf, mt, n_layers)
+        return cls(
+            model_type=mt, num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_type=rope_type, rope_params=rope,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            qkv_bias=qkv_bias,
+            o_bias=bool(hf.get("attention_bias", False)) if mt in ("llama", "qwen3") else False,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if mt == "llama" else False,
+            qk_norm=qk_norm, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            hidden_act=act, sliding_windows=windows, bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"), hf=hf, **kw)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        f = Path(path) / "config.json"
+        if not Path(path).is_dir():
+            raise OrbitError(f"{path}: not a model directory")
+        if not f.exists():
+            raise OrbitError(f"{f}: missing (a model directory needs config.json)")
+        try:
+            hf = json.loads(f.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise OrbitError(f"{f}: not valid JSON ({e})") from None
+        return cls.from_hf(hf, str(f))
+
+
+def _sliding_windows(hf: dict, mt: str, n_layers: int) -> list:
+    """Per-layer sliding window, following each family's rule in transformers."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if mt == "mistral":
+        return [window] * n_layers
+    if mt in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
+        first = hf.get("max_window_layers", n_layers)
+        return [window if i >= first else None for i in range(n_layers)]
+    return [None] * n_layers

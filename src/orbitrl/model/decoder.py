@@ -1,0 +1,181 @@
+"""The one decoder (Llama / Mistral / Qwen2 / Qwen3) that rolls out, scores and trains.
+
+Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``) so that weights
+and PEFT adapter names map one to one (see ``weights.py``). Projections are plain
+``nn.Linear`` modules; adapters and frozen quantized formats replace them in place.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from orbitrl.model.attention import build_mask, dense_attention
+from orbitrl.model.config import ModelConfig
+from orbitrl.model.rope import Rotary, apply_rotary
+
+# (layer_idx, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; rope already applied
+AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.hd ** -0.5
+        self.window = cfg.sliding_windows[layer_idx]
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, masks, attn: Optional[AttentionBackend]):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if attn is not None:
+            out = attn(self.layer_idx, q, k, v)
+        else:
+            out = dense_attention(q, k, v, masks(self.window), self.scale)
+        return self.o_proj(out.reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, masks, attn=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embeddings, layers, final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class _Masks:
+    """Builds the dense mask once per distinct sliding window within one forward."""
+
+    def __init__(self, seq_ids, positions):
+        self.seq_ids, self.positions, self.cache = seq_ids, positions, {}
+
+    def __call__(self, window):
+        if window not in self.cache:
+            self.cache[window] = build_mask(self.seq_ids, self.positions, window)
+        return self.cache[window]
+
+
+class Decoder(nn.Module):
+    """Causal LM. ``forward`` returns logits [B, T, V] or, with ``return_hidden``, the final
+    normed hidden states [B, T, H] (the trainer projects those chunk by chunk instead of
+    materialising [tokens, vocab] logits).
+
+    Attributes:
+        recompute: recompute each decoder layer's activations in backward (saves the layer
+            inputs only); used when training.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+        self.recompute = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                seq_ids: torch.Tensor | None = None, attn: AttentionBackend | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """
+        Args:
+            input_ids: [B, T] token ids.
+            positions: [B, T] position of each token within its own sequence; default
+                0..T-1 per row. Packed rows restart positions at each sequence start.
+            seq_ids: [B, T] sequence index of each token within its row, -1 for padding;
+                default one sequence per row. Tokens attend within their sequence only.
+            attn: optional attention backend (the engine's paged KV cache); when given,
+                ``positions`` must be given and ``seq_ids`` is ignored.
+            return_hidden: return final hidden states [B, T, H] instead of logits.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        if seq_ids is None:
+            seq_ids = torch.zeros_like(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        masks = _Masks(seq_ids, positions)
+        for layer in self.model.layers:
+            if self.recompute and torch.is_grad_enabled() and attn is None:
+                x = checkpoint(layer, x, cos, sin, masks, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, masks, attn)
+        x = self.model.norm(x)
+        return x if return_hidden else self.lm_head(x)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    @staticmethod
+    def packed_inputs(sequences: list[list[int]], device=None):
+        """Pack token lists into one row: (input_ids, positions, seq_ids), each [1, sum(T)]."""
+        ids, pos, sid = [], [], []
+        for i, s in enumerate(sequences):
+            ids += s
+            pos += range(len(s))
+            sid += [i] * len(s)
+        mk = lambda v: torch.tensor([v], dtype=torch.long, device=device)  # noqa: E731
+        return mk(ids), mk(pos), mk(sid)

@@ -1,0 +1,235 @@
+"""Load and save Hugging Face model directories with our decoder.
+
+Loading builds the model on the meta device, then assigns each tensor from the
+memory-mapped safetensors shards one at a time (converted to the target dtype and device):
+the full weights never exist twice. ``on_tensor`` lets a caller transform a tensor as it
+streams by (e.g. quantize a frozen linear weight shard by shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from orbitrl.errors import OrbitError
+from orbitrl.model.config import ModelConfig
+from orbitrl.model.decoder import Decoder
+
+# Hugging Face name -> ours. Our module tree mirrors HF's, so the map is the identity on
+# the names it accepts; it exists to reject what we do not understand, explicitly.
+_HF_NAMES = [
+    r"model\.embed_tokens\.weight",
+    r"model\.norm\.weight",
+    r"lm_head\.weight",
+    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
+    r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)",
+    r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight",
+    r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias)",
+]
+_HF_RE = re.compile("|".join(f"(?:{p})" for p in _HF_NAMES))
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def to_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise OrbitError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def hf_to_ours(name: str) -> Optional[str]:
+    """Our parameter name for an HF checkpoint key; None for keys we deliberately skip."""
+    if _IGNORED.match(name):
+        return None
+    if not _HF_RE.fullmatch(name):
+        raise KeyError(name)
+    return name
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model directory, checked to exist."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise OrbitError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.exists():
+                raise OrbitError(f"{f}: shard listed in {index.name} is missing")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    raise OrbitError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                     "(only safetensors weights are supported)")
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """Yield (HF name, file, tensor) one tensor at a time from memory-mapped shards."""
+    for f in weight_files(Path(path)):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    yield key, f, sf.get_tensor(key)
+        except SafetensorError as e:
+            raise OrbitError(f"{f}: unreadable or truncated safetensors file ({e})") from None
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor | nn.Module):
+    mod_name, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if isinstance(tensor, nn.Module):  # a transformed (e.g. quantized) replacement module
+        parent_name, _, child = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, tensor)
+    else:
+        mod._parameters[leaf] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+
+
+def load_model(path: str | Path, dtype="float32", device="cpu",
+               on_tensor: Optional[Callable] = None) -> Decoder:
+    """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3) into our decoder.
+
+    Args:
+        path: directory with config.json and model.safetensors (or an index + shards).
+        dtype: compute/storage dtype of the weights (torch dtype or "float32", "bf16", ...).
+        device: where the weights live.
+        on_tensor: optional ``(model, name, tensor) -> tensor | nn.Module | None`` applied
+            to each tensor as it streams by, after dtype conversion; returning a module
+            replaces the owning linear layer, None keeps the tensor as is.
+    Returns:
+        The model in eval mode.
+    """
+    path = Path(path)
+    dtype = to_dtype(dtype)
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    expected = dict(model.named_parameters())  # tied lm_head appears once, as embed
+    replaced: set[str] = set()
+    seen: set[str] = set()
+    for key, f, t in iter_checkpoint(path):
+        try:
+            name = hf_to_ours(key)
+        except KeyError:
+            raise OrbitError(f"{f}: unexpected weight {key!r} for a {cfg.model_type} model"
+                             ) from None
+        if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name not in expected:
+            raise OrbitError(f"{f}: weight {key!r} does not exist in this {cfg.model_type} "
+                             "configuration (check attention_bias / qk-norm / layers)")
+        want = tuple(expected[name].shape)
+        if tuple(t.shape) != want:
+            raise OrbitError(f"{f}: weight {key!r} has shape {tuple(t.shape)}, config.json "
+                             f"implies {want}")
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        if on_tensor is not None:
+            out = on_tensor(model, name, t)
+            if out is not None:
+                t = out
+        if isinstance(t, nn.Module):
+            replaced.add(name.rpartition(".")[0])
+        _assign(model, name, t)
+        seen.add(name)
+    missing = [n for n in expected if n not in seen
+               and n.rpartition(".")[0] not in replaced]
+    if missing:
+        raise OrbitError(f"{path}: checkpoint lacks {len(missing)} weight(s), first "
+                         f"{missing[0]!r}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def export_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
+    """HF-named tensors of the model; modules that store weights in another format export
+    through their ``dequantized_state()`` method (name suffix -> tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, mod in model.named_modules():
+        if hasattr(mod, "dequantized_state"):
+            for k, v in mod.dequantized_state().items():
+                out[f"{mod_name}.{k}"] = v
+            continue
+        for leaf, p in mod.named_parameters(recurse=False):
+            out[f"{mod_name}.{leaf}" if mod_name else leaf] = p.detach()
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return {k: v for k, v in out.items() if hf_to_ours_safe(k)}
+
+
+def hf_to_ours_safe(name: str) -> bool:
+    try:
+        return hf_to_ours(name) is not None
+    except KeyError:
+        return False
+
+
+def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=None,
+                    max_shard_bytes: int = 2 << 30) -> Path:
+    """Write an HF directory (config.json + safetensors, sharded with an index past
+    ``max_shard_bytes``) that transformers loads. Files are written under temporary
+    names and renamed, so an interrupted export leaves no half-written file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = export_state_dict(model)
+    dt = to_dtype(dtype) if dtype is not None else None
+    sd = {k: (v.to(dt) if dt is not None and v.is_floating_point() else v)
+          .detach().to("cpu").contiguous() for k, v in sd.items()}
+    shards, cur, size = [], {}, 0
+    for k, v in sd.items():
+        nbytes = v.numel() * v.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += nbytes
+    shards.append(cur)
+    hf = dict(model.config.hf)
+    hf["architectures"] = hf.get("architectures") or [_ARCH[model.config.model_type]]
+    some = next(iter(sd.values()))
+    hf["dtype"] = str(some.dtype).replace("torch.", "")
+    hf["torch_dtype"] = hf["dtype"]
+    _write_atomic(out / "config.json", lambda p: Path(p).write_text(json.dumps(hf, indent=2)))
+    if len(shards) == 1:
+        _write_atomic(out / "model.safetensors",
+                      lambda p: save_file(shards[0], p, metadata={"format": "pt"}))
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_atomic(out / fname, lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}))
+            weight_map.update({k: fname for k in shard})
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        idx = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_atomic(out / "model.safetensors.index.json",
+                      lambda p: Path(p).write_text(json.dumps(idx, indent=2)))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _write_atomic(path: Path, write: Callable[[str], None]):
+    tmp = path.with_name(path.name + ".tmp")
+    write(str(tmp))
+    os.replace(tmp, path)
