@@ -1,11 +1,178 @@
-"""`orbitrl plan` (not yet available in this release)."""
+"""`orbitrl plan`: predict memory, bytes moved and step time for a model and a cluster.
+
+Answers: does it fit, how many devices do I need, what is my per-device peak, where does the
+step's time go, and (when nothing fits) which knob to turn. ``--json`` prints every term.
+All arithmetic lives in :mod:`orbitrl.ledger`; this module parses, validates and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
 
 from orbitrl.errors import OrbitError
 
+GB = 1e9
+CHOICES = {
+    "--strategy": ("adamw", "stateless", "adapter"),
+    "--base-dtype": ("bf16", "fp8", "int8", "int4", "nf4"),
+    "--weight-dtype": ("bf16", "fp16", "fp8", "fp32"),
+    "--grad-dtype": ("bf16", "fp16", "fp8", "fp32"),
+    "--kv-dtype": ("bf16", "fp16", "fp8", "fp32"),
+    "--ref-dtype": ("bf16", "int8", "int4", "nf4", "fp8"),
+    "--reward-dtype": ("bf16", "int8", "int4", "nf4", "fp8"),
+    "--reference": ("host", "device", "none"),
+    "--reward-tier": ("device", "host"),
+    "--offload": ("none", "optimizer", "weights"),
+    "--sync": ("auto", "full", "adapter", "changed"),
+    "--recompute": ("on", "off"),
+}
+
 
 def add_arguments(parser):
-    parser.add_argument("rest", nargs="*", help="(not yet available)")
+    a = parser.add_argument
+    g = parser.add_argument_group("model (one of)")
+    g.add_argument("--params", help="parameter count: 1e12, 1.6T, 70B")
+    g.add_argument("--model", help="checkpoint directory (config.json) or a known name, e.g. llama3-8b")
+    g.add_argument("--moe-experts", default="0", help="with --params: routed experts (0: dense)")
+    g.add_argument("--moe-active", default="8", help="with --params: experts per token")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--devices", required=True, help="accelerators in the pool")
+    c.add_argument("--device-memory-gb", required=True, help="memory per device, GB (1e9 bytes)")
+    c.add_argument("--host-memory-gb", default="0", help="host RAM per node, GB (0: 2x the node's device memory)")
+    c.add_argument("--devices-per-node", default="8")
+    c.add_argument("--max-util", default="0.9", help="share of device memory the plan may use")
+    s = parser.add_argument_group("strategy")
+    s.add_argument("--strategy", default="stateless", help="adamw | stateless | adapter")
+    s.add_argument("--base-dtype", default="bf16", help="frozen base of adapter: bf16 | int8 | int4 | nf4")
+    s.add_argument("--adapter-rank", default="16")
+    s.add_argument("--weight-dtype", default="bf16")
+    s.add_argument("--grad-dtype", default="bf16")
+    s.add_argument("--offload", default="none", help="none | optimizer | weights (to host)")
+    w = parser.add_argument_group("workload")
+    w.add_argument("--prompt-len", default="512")
+    w.add_argument("--completion-len", default="1536", help="completion cap, tokens")
+    w.add_argument("--rollout-seqs", default="256", help="concurrent sequences in the cluster")
+    w.add_argument("--micro-batch", default="1", help="sequences per device per micro step")
+    w.add_argument("--samples-per-step", default="512")
+    w.add_argument("--kv-dtype", default="bf16")
+    w.add_argument("--recompute", default="on", help="on | off")
+    w.add_argument("--logit-chunk", default="1024", help="tokens per chunked-logprob slice")
+    r = parser.add_argument_group("roles")
+    r.add_argument("--reference", default="host", help="host | device | none")
+    r.add_argument("--ref-dtype", default="int8")
+    r.add_argument("--reward-params", default="0", help="reward model size; 0: rule-based")
+    r.add_argument("--reward-dtype", default="bf16")
+    r.add_argument("--reward-tier", default="device")
+    r.add_argument("--critic", action="store_true", help="PPO value model (policy-sized)")
+    l_ = parser.add_argument_group("layout, links and schedule")
+    l_.add_argument("--tp", default="0", help="tensor parallel degree (0: smallest that fits)")
+    l_.add_argument("--prefetch-depth", default="2", help="layers gathered ahead")
+    l_.add_argument("--interconnect-gbps", default="50")
+    l_.add_argument("--host-gbps", default="25")
+    l_.add_argument("--sync-gbps", default="25")
+    l_.add_argument("--device-tflops", default="400", help="sustained, not peak")
+    l_.add_argument("--hbm-gbps", default="3000")
+    l_.add_argument("--long-tail-fraction", default="0.5",
+                    help="share of a synchronous rollout spent waiting on the longest completions")
+    l_.add_argument("--staleness", default="2", help="async: max policy versions a sample spans")
+    l_.add_argument("--sync", default="auto", help="weight sync to a separate pool: full | adapter | changed")
+    l_.add_argument("--changed-fraction", default="0.1")
+    a("--json", action="store_true", help="print the whole bill as JSON")
+
+
+def _num(args, flag: str, kind=float, positive=True, lo=None, hi=None):
+    from orbitrl.ledger.models import parse_count
+    raw = getattr(args, flag.lstrip("-").replace("-", "_"))
+    try:
+        v = parse_count(raw) if kind is int and positive else float(raw)
+    except ValueError:
+        raise OrbitError(f"{flag}: expected a positive number, got {raw!r}") from None
+    if kind is int and float(v) != int(float(v)):
+        raise OrbitError(f"{flag}: expected a whole number, got {raw!r}")
+    v = kind(v)
+    if (positive and v <= 0) or (not positive and v < 0):
+        raise OrbitError(f"{flag}: must be {'positive' if positive else 'zero or more'}, got {raw!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise OrbitError(f"{flag}: must be in [{lo}, {hi}], got {raw!r}")
+    return v
+
+
+def _choice(args, flag: str) -> str:
+    v = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if v not in CHOICES[flag]:
+        raise OrbitError(f"{flag}: unknown {v!r}; one of {', '.join(CHOICES[flag])}")
+    return v
+
+
+def _shape(args):
+    from orbitrl.ledger import models
+    if bool(args.params) == bool(args.model):
+        raise OrbitError("give one of --params N or --model DIR")
+    if args.params:
+        try:
+            n = models.parse_count(args.params)
+        except ValueError as e:
+            raise OrbitError(f"--params: {e}") from None
+        experts = _num(args, "--moe-experts", int, positive=False)
+        return models.from_params(n, experts, _num(args, "--moe-active", int))
+    if os.path.isdir(args.model) or args.model.endswith(".json"):
+        try:
+            return models.load_model_dir(args.model)
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            raise OrbitError(f"--model: cannot read a config.json in {args.model}: {e}") from None
+    try:
+        return models.known(args.model)
+    except ValueError as e:
+        raise OrbitError(f"--model: not a directory, and {e}") from None
+
+
+def build(args):
+    """Parse and validate the flags into ledger objects; OrbitError names the bad flag."""
+    from orbitrl.ledger.bandwidth import Links
+    from orbitrl.ledger.bill import RoleOptions
+    from orbitrl.ledger.memory import PARAM_BYTES, Strategy, Workload
+    from orbitrl.ledger.plan import Cluster, Options
+    shape = _shape(args)
+    strat = Strategy(_choice(args, "--strategy"), _choice(args, "--base-dtype"),
+                     _num(args, "--adapter-rank", int), _choice(args, "--weight-dtype"),
+                     _choice(args, "--grad-dtype"))
+    mem = _num(args, "--device-memory-gb") * GB
+    wd = strat.base_dtype if strat.kind == "adapter" else strat.weight_dtype
+    layer = shape.layer_params * PARAM_BYTES[wd]
+    if mem < layer:
+        raise OrbitError(f"--device-memory-gb: {mem / GB:g} GB is smaller than one layer of the "
+                         f"model ({layer / GB:.2f} GB in {wd})")
+    work = Workload(_num(args, "--prompt-len", int), _num(args, "--completion-len", int),
+                    _num(args, "--rollout-seqs", int), _num(args, "--micro-batch", int),
+                    _num(args, "--samples-per-step", int), _choice(args, "--kv-dtype"),
+                    recompute=_choice(args, "--recompute") == "on",
+                    logit_chunk=_num(args, "--logit-chunk", int))
+    reward = 0 if args.reward_params in ("0", "") else _num(args, "--reward-params", int)
+    roles = RoleOptions(_choice(args, "--reference"), _choice(args, "--ref-dtype"), reward,
+                        _choice(args, "--reward-dtype"), _choice(args, "--reward-tier"),
+                        bool(args.critic), CHOICES["--offload"].index(_choice(args, "--offload")))
+    links = Links(*(_num(args, f) for f in ("--interconnect-gbps", "--host-gbps", "--sync-gbps",
+                                             "--device-tflops", "--hbm-gbps")))
+    cluster = Cluster(_num(args, "--devices", int), mem, _num(args, "--host-memory-gb", positive=False) * GB,
+                      _num(args, "--devices-per-node", int), _num(args, "--max-util", lo=0.05, hi=1.0),
+                      links)
+    tp = _num(args, "--tp", int, positive=False)
+    if tp and cluster.devices % tp:
+        raise OrbitError(f"--tp: {tp} does not divide --devices {cluster.devices}")
+    opts = Options(roles, tp or None, _num(args, "--prefetch-depth", int, positive=False),
+                   _num(args, "--long-tail-fraction", positive=False, lo=0.0, hi=0.95),
+                   _num(args, "--staleness", int), _choice(args, "--sync"),
+                   _num(args, "--changed-fraction", lo=0.0, hi=1.0))
+    return shape, strat, work, cluster, opts
 
 
 def run(args) -> int:
-    raise OrbitError("'orbitrl plan' is not yet available in this release")
+    from orbitrl.ledger.plan import plan
+    from orbitrl.ledger.report import render
+    p = plan(*build(args))
+    if args.json:
+        print(json.dumps(p.to_dict(), indent=2))
+    else:
+        print(render(p.to_dict()))
+    return 0

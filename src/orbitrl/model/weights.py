@@ -103,7 +103,8 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor | nn.Module):
 
 
 def load_model(path: str | Path, dtype="float32", device="cpu",
-               on_tensor: Optional[Callable] = None) -> Decoder:
+               on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
+               group_size: Optional[int] = None) -> Decoder:
     """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3) into our decoder.
 
     Args:
@@ -113,11 +114,20 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         on_tensor: optional ``(model, name, tensor) -> tensor | nn.Module | None`` applied
             to each tensor as it streams by, after dtype conversion; returning a module
             replaces the owning linear layer, None keeps the tensor as is.
+        base_format: store the decoder layers' projections frozen in this format ("fp32",
+            "bf16", "int8", "nf4", "int4"; see orbitrl.model.quant), quantized one tensor
+            at a time as it streams by; None keeps plain trainable ``nn.Linear`` layers.
+        group_size: int4 group size (default orbitrl.ledger.formats.INT4_GROUP).
     Returns:
         The model in eval mode.
     """
     path = Path(path)
     dtype = to_dtype(dtype)
+    if base_format is not None:
+        from orbitrl.model import quant
+        quant.check_format(base_format, device)
+        kw = {} if group_size is None else {"group_size": group_size}
+        on_tensor = quant.quantizing_hook(base_format, then=on_tensor, **kw)
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = Decoder(cfg)
@@ -155,6 +165,8 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
                          f"{missing[0]!r}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if base_format is not None:
+        quant.finish_frozen(model, path)
     return model.eval()
 
 

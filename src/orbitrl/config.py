@@ -1,0 +1,266 @@
+"""Typed configuration: one dataclass per section, one YAML file, ``--set a.b=c`` overrides.
+
+Every knob lives here once. An unknown key or a value of the wrong type is a one-line
+:class:`OrbitError` naming the key (and the file it came from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from orbitrl.errors import OrbitError
+
+BUILTIN_MODEL = "builtin:tiny-arith"
+
+
+@dataclass
+class ModelSection:
+    path: str = BUILTIN_MODEL  # HF model directory, or the built-in tiny model
+    base_dtype: Literal["fp32", "bf16", "int8", "nf4"] = "nf4"  # frozen base storage
+    dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype (fp32 on CPUs)
+    device: str = "auto"  # auto, cpu, cuda or cuda:N
+
+
+@dataclass
+class LoraSection:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["all-linear"])
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise OrbitError(f"config key 'lora.rank' must be positive, got {self.rank}")
+
+
+@dataclass
+class TrainSection:
+    mode: Literal["adapter", "full"] = "adapter"
+    optimizer: Literal["adamw", "sgd", "adalomo"] = "adamw"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.3
+    max_steps: int = 100
+    max_seconds: float = 0.0  # 0 = no wall-clock budget
+    micro_batch_tokens: int = 4096
+    recompute: bool = False
+    seed: int = 0
+    deterministic: bool = False
+
+
+@dataclass
+class RolloutSection:
+    n: int = 8
+    prompts_per_step: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    kv_dtype: Literal["model", "fp8"] = "model"
+    kv_budget_mb: float = 256.0
+    block_size: int = 16
+
+
+@dataclass
+class AlgoSection:
+    name: Literal["grpo", "ppo", "rloo", "reinforce++"] = "grpo"
+    clip_low: float = 0.1
+    clip_high: float = 0.1
+    std_norm: bool = True  # False = Dr. GRPO
+    loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = "token-mean"
+    seq_level_ratio: bool = False  # GSPO
+    dynamic_sampling: bool = False
+    overlong: Literal["none", "filter", "shape"] = "none"
+    overlong_buffer: int = 4
+    kl_coef: float = 0.01
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    adaptive_kl: bool = False
+    target_kl: float = 0.05
+    tis_cap: float = 2.0
+    epochs: int = 1
+    gamma: float = 1.0
+    lam: float = 0.95
+    anchor_refresh_steps: int = 200
+    anchor_kl_threshold: float = 0.3
+    check: bool = False  # assert RL invariants in the loop (KL 0 and ratio 1 at step 0)
+
+
+@dataclass
+class DataSection:
+    task: str = "arith"  # built-in task used when train/heldout are empty
+    train: str = ""
+    heldout: str = ""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat_template: bool = False
+    heldout_size: int = 200
+
+
+@dataclass
+class RewardSection:
+    name: str = "exact_match"
+    timeout_s: float = 5.0
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 50
+    keep: int = 2
+
+
+@dataclass
+class LogSection:
+    every: int = 1
+    tensorboard: bool = False
+    wandb: bool = False
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _check(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Coerce/check one value against a type annotation; raise naming the key."""
+    where = f" in {source}" if source else ""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(map(str, typing.get_args(tp)))
+            raise OrbitError(f"config key '{key}'{where}: {value!r} is not one of {choices}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _check(value, args[0], key, source)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise OrbitError(f"config key '{key}'{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise OrbitError(f"config key '{key}'{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise OrbitError(f"config key '{key}'{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise OrbitError(f"config key '{key}'{where}: expected a string, got {value!r}")
+        return str(value)
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise OrbitError(f"config key '{key}'{where}: expected a list, got {value!r}")
+        return value
+    return value
+
+
+def _apply(obj: Any, data: dict, prefix: str, source: str):
+    if not isinstance(data, dict):
+        raise OrbitError(f"config key '{prefix.rstrip('.') or '<root>'}'"
+                         f"{' in ' + source if source else ''}: expected a mapping")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            near = ", ".join(sorted(names))
+            raise OrbitError(f"config key '{key}'{' in ' + source if source else ''} does "
+                             f"not exist (known under '{prefix.rstrip('.') or '<root>'}': {near})")
+        cur = getattr(obj, k)
+        if dataclasses.is_dataclass(cur):
+            _apply(cur, v, key + ".", source)
+        else:
+            setattr(obj, k, _check(v, hints[k], key, source))
+
+
+def _revalidate(cfg: Config):
+    for f in dataclasses.fields(cfg):
+        sec = getattr(cfg, f.name)
+        if hasattr(sec, "__post_init__"):
+            sec.__post_init__()
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``a.b=c`` -> ("a.b", parsed c); the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in item:
+        raise OrbitError(f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=1e-4")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: Optional[list[str]] = None,
+                base: Optional[dict] = None) -> Config:
+    """Build a Config from defaults, then a YAML file (or ``base`` dict), then overrides."""
+    cfg = Config()
+    if base:
+        _apply(cfg, base, "", "")
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise OrbitError(f"{p}: config file not found")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            at = f" (line {line + 1})" if line is not None else ""
+            raise OrbitError(f"{p}: not valid YAML{at}") from None
+        except UnicodeDecodeError:
+            raise OrbitError(f"{p}: not a text file") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise OrbitError(f"{p}: expected a YAML mapping of sections, got "
+                             f"{type(data).__name__}")
+        _apply(cfg, data, "", str(p))
+    for item in overrides or []:
+        key, value = parse_override(item)
+        nested: dict = {}
+        cur = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            cur = cur.setdefault(part, {})
+        cur[parts[-1]] = value
+        _apply(cfg, nested, "", "--set")
+    _revalidate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path):
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

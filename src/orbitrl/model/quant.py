@@ -1,0 +1,264 @@
+"""Frozen base weights in a storage format, dequantized per linear call to the compute dtype.
+
+Formats (bytes per parameter in :mod:`orbitrl.ledger.formats`, the planner's source too):
+
+- ``fp32``, ``bf16``: the weight as is, upcast per call.
+- ``int8``: torchao ``Int8Tensor`` (symmetric, per output row).
+- ``nf4``: torchao ``NF4Tensor`` (QLoRA's NormalFloat4, double-quantized block scales).
+- ``int4``: our own symmetric group-wise int4 (two codes per byte, a bf16 scale per group):
+  torchao's int4 tensors need GPU kernels (mslk) and do not run on CPU. Its codes are tested
+  against torchao's ``quantize_affine``.
+
+Why a custom autograd function: a plain ``F.linear(x, w.dequantize())`` makes autograd keep
+the dequantized full-precision weight of every layer alive until backward, so training would
+hold the whole full-precision base after all. :class:`_DequantLinear` keeps only the stored
+format and dequantizes again in backward (the gradient w.r.t. the input; the base is frozen).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from orbitrl.errors import OrbitError
+from orbitrl.ledger import formats as fmts
+
+FORMATS = ("fp32", "bf16", "int8", "nf4", "int4")
+_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# device types each format's implementation runs on (None: any device torch runs on)
+_DEVICES = {"fp32": None, "bf16": None, "int4": None, "int8": ("cpu", "cuda"),
+            "nf4": ("cpu", "cuda")}
+_LIBRARY = {"int8": "torchao Int8Tensor", "nf4": "torchao NF4Tensor"}
+
+# Projection weights inside decoder layers: what the loader quantizes (embeddings, norms and
+# the LM head stay in the load dtype).
+QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
+def _torchao():
+    """Import torchao quietly (its optional CUDA extensions log load failures on CPU)."""
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization import Int8Tensor, NF4Tensor  # noqa: F401
+        import torchao.quantization as q
+        return q
+    finally:
+        log.setLevel(level)
+
+
+def check_format(fmt: str, device="cpu", key: str = "base_format") -> None:
+    """Raise a one-line OrbitError naming ``key`` if ``fmt`` is unknown or cannot run on
+    ``device`` (library missing, device type unsupported)."""
+    if fmt not in FORMATS:
+        raise OrbitError(f"{key}: unknown frozen-base format {fmt!r} "
+                         f"(choose from {', '.join(FORMATS)})")
+    dev = torch.device(device).type
+    allowed = _DEVICES[fmt]
+    if allowed is not None and dev not in allowed:
+        raise OrbitError(f"{key}: format {fmt!r} ({_LIBRARY[fmt]}) does not run on device "
+                         f"{dev!r} (runs on {', '.join(allowed)}; bf16 or int4 run anywhere)")
+    if fmt in _LIBRARY:
+        try:
+            _torchao()
+        except ImportError as e:
+            raise OrbitError(f"{key}: format {fmt!r} needs torchao ({e}); "
+                             "pip install torchao, or use bf16 or int4") from None
+
+
+# ---- group-wise int4 (ours) ----------------------------------------------------------------
+
+def quantize_int4(w: torch.Tensor, group: int = fmts.INT4_GROUP):
+    """Symmetric group-wise int4, torchao's ``choose_qparams_affine`` convention
+    (scale = absmax / 7.5, codes round-half-even clamped to [-8, 7]).
+
+    Args:
+        w: [out, in] weight, in % group == 0.
+    Returns:
+        packed: uint8 [out, in // 2] (even column in the low nibble); scales: bf16
+        [out, in // group]. Codes are computed against the bf16-rounded scale, so the stored
+        pair is self-consistent.
+    """
+    out, inp = w.shape
+    wg = w.float().reshape(out, inp // group, group)
+    scale = (wg.abs().amax(-1) / 7.5).clamp(min=torch.finfo(torch.float32).eps)
+    scale = scale.to(torch.bfloat16)
+    q = torch.round(wg / scale.float()[..., None]).clamp(-8, 7)
+    u = (q + 8).to(torch.uint8).reshape(out, inp)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.float32):
+    """Inverse of :func:`quantize_int4`: [out, in // 2] codes, [out, G] scales -> [out, in]."""
+    out = packed.shape[0]
+    u = torch.stack([packed & 0xF, packed >> 4], -1).reshape(out, -1)
+    q = u.to(torch.float32) - 8
+    w = q.reshape(out, scales.shape[1], -1) * scales.float()[..., None]
+    return w.reshape(out, -1).to(dtype)
+
+
+# ---- the module ----------------------------------------------------------------------------
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x @ W^T with W dequantized in forward and again in backward (never saved)."""
+
+    @staticmethod
+    def forward(ctx, x, mod):
+        ctx.mod = mod
+        return F.linear(x, mod.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return grad @ ctx.mod.dequantize(grad.dtype), None
+
+
+def _leaf_tensors(t: torch.Tensor):
+    """Plain tensors behind a (possibly subclassed) tensor, e.g. NF4's codes and scales."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for n in names:
+            inner = getattr(t, n)
+            if inner is not None:
+                yield from _leaf_tensors(inner)
+    else:
+        yield t
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (subclasses unpacked)."""
+    seen, total = set(), 0
+    for t in tensors:
+        for leaf in _leaf_tensors(t):
+            s = leaf.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+class FrozenLinear(nn.Module):
+    """A frozen linear layer whose weight is stored in ``fmt`` and dequantized per call.
+
+    Args:
+        weight: [out, in] full-precision weight (consumed; only the stored format is kept).
+        bias: optional [out] bias, kept as a frozen parameter in its own dtype.
+        fmt: one of :data:`FORMATS`.
+        group_size: int4 group (values per scale along the input dimension).
+    The forward computes in the input's dtype: x [..., in] -> [..., out].
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 fmt: str = "bf16", group_size: int = fmts.INT4_GROUP, name: str = "weight"):
+        super().__init__()
+        check_format(fmt, weight.device)
+        self.fmt, self.out_features, self.in_features = fmt, *weight.shape
+        self.group_size = group_size
+        w = weight.detach()
+        if fmt in _PLAIN:
+            self.register_buffer("weight", w.to(_PLAIN[fmt]).contiguous())
+        elif fmt == "int8":
+            from torchao.quantization.granularity import PerRow
+            self.register_buffer("weight", _torchao().Int8Tensor.from_hp(
+                w.float().contiguous(), granularity=PerRow()))
+        elif fmt == "nf4":
+            n = w.numel()
+            if n % fmts.NF4_BLOCK:
+                raise OrbitError(f"{name}: {n} values are not a multiple of the NF4 block "
+                                 f"({fmts.NF4_BLOCK}); use int8 or bf16 for it")
+            sb = fmts.nf4_scaler_block(n)
+            self.register_buffer("weight", _torchao().NF4Tensor.from_tensor(
+                w.float().contiguous(), fmts.NF4_BLOCK, sb))
+        else:  # int4
+            if self.in_features % group_size:
+                raise OrbitError(f"{name}: in_features {self.in_features} is not a multiple "
+                                 f"of the int4 group size {group_size}")
+            packed, scales = quantize_int4(w, group_size)
+            self.register_buffer("qweight", packed)
+            self.register_buffer("scales", scales)
+        if bias is not None:
+            bias = nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_parameter("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str, **kw) -> "FrozenLinear":
+        return cls(linear.weight, linear.bias, fmt, **kw)
+
+    @property
+    def device(self) -> torch.device:
+        return (self.qweight if self.fmt == "int4" else self.weight).device
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight [out, in] in ``dtype`` (a fresh tensor for quantized formats)."""
+        if self.fmt in _PLAIN:
+            return self.weight.to(dtype)
+        if self.fmt == "int8":
+            return self.weight.dequantize(dtype)
+        if self.fmt == "nf4":
+            return self.weight.get_original_weight().to(dtype)
+        return dequantize_int4(self.qweight, self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _DequantLinear.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weight and its scales (what the ledger prices)."""
+        stored = [self.qweight, self.scales] if self.fmt == "int4" else [self.weight]
+        return storage_bytes(stored)
+
+    def resident_bytes(self) -> int:
+        """Everything this module holds: weight, scales and bias."""
+        return self.weight_bytes() + (0 if self.bias is None else storage_bytes([self.bias]))
+
+    def dequantized_state(self) -> dict[str, torch.Tensor]:
+        """HF-named tensors for export (``weight`` in fp32, ``bias``)."""
+        out = {"weight": self.dequantize(torch.float32)}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fmt={self.fmt}, bias={self.bias is not None}")
+
+
+# ---- quantize while loading ----------------------------------------------------------------
+
+def quantizing_hook(fmt: str, group_size: int = fmts.INT4_GROUP, then=None):
+    """An ``on_tensor`` hook for :func:`orbitrl.model.weights.load_model` that turns each
+    decoder-layer projection weight into a :class:`FrozenLinear` as it streams by, so the
+    full-precision model never exists. ``then`` is an earlier hook applied first."""
+
+    def hook(model: nn.Module, name: str, t: torch.Tensor):
+        if then is not None:
+            out = then(model, name, t)
+            if out is not None:
+                return out
+        if not QUANTIZED_WEIGHTS.fullmatch(name):
+            return None
+        owner = model.get_submodule(name.rpartition(".")[0])
+        bias = owner.bias if isinstance(owner, nn.Linear) else None  # may still be on meta
+        return FrozenLinear(t, bias, fmt, group_size=group_size, name=name)
+
+    return hook
+
+
+def finish_frozen(model: nn.Module, path="") -> None:
+    """After loading: every FrozenLinear bias loaded and frozen (biases may stream by after
+    their weight and are then assigned as ordinary parameters)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, FrozenLinear) and mod.bias is not None:
+            if mod.bias.is_meta:
+                raise OrbitError(f"{path}: checkpoint lacks weight {name + '.bias'!r}")
+            mod.bias.requires_grad_(False)
+
+
+def frozen_linears(model: nn.Module) -> dict[str, FrozenLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FrozenLinear)}
