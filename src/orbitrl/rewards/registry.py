@@ -1,0 +1,87 @@
+"""Reward functions by name: a registry plus "pkg.module:func" import paths.
+
+A reward function is `fn(prompt: str, completion: str, **fields) -> float`, where `fields`
+are the sample's dataset fields (the answer under `answer`, whatever else the row holds)
+plus what the trainer adds (e.g. `completion_ids`, `truncated`, `eos_text`). It sees text,
+token ids and fields only, never a model or the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from orbitrl.errors import OrbitError
+
+RewardFn = Callable[..., float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str, override: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator that registers a reward function under `name`.
+
+    Args:
+        name: the name configs use (`reward.name`).
+        override: replace an existing entry; otherwise a different function under a taken
+            name is an error (two plugins silently shadowing each other is worse).
+
+    Returns:
+        The decorator; it returns the function unchanged.
+    """
+    def deco(fn: RewardFn) -> RewardFn:
+        old = _REGISTRY.get(name)
+        if old is not None and old is not fn and not override:
+            raise OrbitError(f"reward {name!r} is already registered "
+                             f"({old.__module__}.{old.__qualname__})")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def list_rewards() -> list[str]:
+    """Names of the registered rewards (built-ins included), sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str | RewardFn) -> RewardFn:
+    """Resolve a registered name or a "pkg.module:func" import path to a reward function.
+
+    Args:
+        name: a registered name, an import path, or a callable (returned as is).
+
+    Returns:
+        The callable.
+
+    Raises:
+        OrbitError: unknown name (listing the registered ones), or an import path whose
+            module or attribute cannot be loaded, or that is not callable.
+    """
+    if callable(name):
+        return name
+    _load_builtins()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001 - any import failure is a config error here
+            raise OrbitError(f"reward {name!r}: cannot import module {module_name!r} "
+                             f"({type(e).__name__}: {e})") from e
+        fn = module
+        for part in attr.split("."):
+            fn = getattr(fn, part, None)
+            if fn is None:
+                raise OrbitError(f"reward {name!r}: module {module_name!r} has no {attr!r}")
+        if not callable(fn):
+            raise OrbitError(f"reward {name!r} is not callable")
+        return fn
+    raise OrbitError(f"unknown reward {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
+                     f"(or give an import path 'pkg.module:func')")
+
+
+def _load_builtins() -> None:
+    # verifiers registers itself on import; imported here, not at the top, to avoid a cycle
+    import orbitrl.rewards.verifiers  # noqa: F401

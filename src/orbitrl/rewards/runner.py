@@ -1,0 +1,180 @@
+"""Score a batch with one or more reward sources, under a per-call time limit.
+
+A reward that raises, returns a non-number (a string, None, a tensor) or a non-finite
+number, or runs past the limit scores 0.0 for that sample and is recorded as an error with
+its reason, counted per source; training continues. Per-source metrics make a failing
+verifier visible instead of passing for a wrong answer.
+
+Timeouts: each call runs in its own daemon thread. Python cannot kill a thread, so a call
+that exceeds the limit is abandoned: its thread keeps running in the background until the
+function returns (its result is then discarded) or the process exits (daemon threads do not
+block exit). Each abandoned call is counted in `leaked_threads`; a reward that hangs forever
+leaks one thread per call, so fix or drop such a source. At most `max_workers` calls run at
+once; a call's limit starts when it starts, not when it was queued.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from orbitrl.rewards.registry import get_reward
+
+
+@dataclass
+class RewardSource:
+    """One reward term: `weight * fn(prompt, completion, **fields, **kwargs)`.
+
+    fn: a registered name, a "pkg.module:func" path or a callable; name: the metrics label
+    (default: fn when it is a string, else the function's __name__); kwargs: fixed keyword
+    arguments (e.g. {"format_pattern": "think_answer"}) that override same-named fields.
+    """
+
+    fn: str | Callable[..., float]
+    weight: float = 1.0
+    name: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.name is None:
+            self.name = self.fn if isinstance(self.fn, str) else getattr(self.fn, "__name__", "reward")
+
+
+@dataclass
+class RewardError:
+    """One failed call: sample index, source name, kind (exception, non_numeric, non_finite,
+    timeout) and a one-line reason."""
+
+    index: int
+    source: str
+    kind: str
+    reason: str
+
+
+@dataclass
+class RewardResult:
+    """rewards: [B] weighted sums; per_source: name -> [B] raw scores (0.0 where failed);
+    errors: every failed call; metrics: reward_mean, reward_<src>_mean (failed calls counted
+    as 0, i.e. what training sees), reward_<src>_errors (exceptions and bad returns),
+    reward_<src>_timeouts, reward_errors_total, reward_timeouts_total."""
+
+    rewards: list[float]
+    per_source: dict[str, list[float]]
+    errors: list[RewardError]
+    metrics: dict[str, float]
+
+
+def _check_value(value: Any) -> tuple[float | None, str, str]:
+    """(score, kind, reason): score None when the value is not a usable reward."""
+    if not isinstance(value, numbers.Real):
+        return None, "non_numeric", f"returned {type(value).__name__} {str(value)[:60]!r}, not a number"
+    score = float(value)
+    if not math.isfinite(score):
+        return None, "non_finite", f"returned {score}"
+    return score, "", ""
+
+
+class RewardRunner:
+    """Calls reward sources on batches of samples, isolating failures and hangs.
+
+    Args:
+        sources: RewardSource list (a bare name, path or callable is one source of weight 1).
+        timeout_s: per-call limit in seconds; None runs calls inline with no limit.
+        max_workers: concurrent calls at most.
+    """
+
+    def __init__(self, sources: list[RewardSource | str | Callable[..., float]],
+                 timeout_s: float | None = 10.0, max_workers: int = 4):
+        self.sources = [s if isinstance(s, RewardSource) else RewardSource(s) for s in sources]
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward source names must be unique, got {names}")
+        self._fns = [get_reward(s.fn) for s in self.sources]  # unknown names fail here
+        self.timeout_s = timeout_s
+        self.max_workers = max(1, int(max_workers))
+        self.leaked_threads = 0
+
+    def __call__(self, prompts: list[str], completions: list[str],
+                 fields: list[dict[str, Any]] | None = None) -> RewardResult:
+        """Score samples i = 0..B-1 with every source.
+
+        Args:
+            prompts, completions: B strings each.
+            fields: B dicts of dataset fields (answer, ...) and extras (completion_ids...).
+
+        Returns:
+            RewardResult.
+        """
+        n = len(prompts)
+        if len(completions) != n or (fields is not None and len(fields) != n):
+            raise ValueError("prompts, completions and fields must have the same length")
+        fields = fields if fields is not None else [{} for _ in range(n)]
+        calls = [(i, k) for k in range(len(self.sources)) for i in range(n)]
+        outcomes = self._run(calls, prompts, completions, fields)
+
+        per_source = {s.name: [0.0] * n for s in self.sources}
+        errors: list[RewardError] = []
+        for (i, k), (kind, payload) in zip(calls, outcomes):
+            src = self.sources[k]
+            if kind == "ok":
+                score, kind, payload = _check_value(payload)
+                if score is not None:
+                    per_source[src.name][i] = score
+                    continue
+            errors.append(RewardError(i, src.name, kind, payload))
+
+        rewards = [sum(s.weight * per_source[s.name][i] for s in self.sources) for i in range(n)]
+        metrics: dict[str, float] = {"reward_mean": sum(rewards) / n if n else 0.0}
+        for s in self.sources:
+            errs = [e for e in errors if e.source == s.name]
+            metrics[f"reward_{s.name}_mean"] = sum(per_source[s.name]) / n if n else 0.0
+            metrics[f"reward_{s.name}_errors"] = float(sum(e.kind != "timeout" for e in errs))
+            metrics[f"reward_{s.name}_timeouts"] = float(sum(e.kind == "timeout" for e in errs))
+        metrics["reward_errors_total"] = float(sum(e.kind != "timeout" for e in errors))
+        metrics["reward_timeouts_total"] = float(sum(e.kind == "timeout" for e in errors))
+        return RewardResult(rewards, per_source, errors, metrics)
+
+    def _call(self, k: int, prompt: str, completion: str, row: dict[str, Any]) -> tuple[str, Any]:
+        try:
+            kwargs = {**row, **self.sources[k].kwargs}
+            return "ok", self._fns[k](prompt, completion, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure of user code is a scored error
+            return "exception", f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+
+    def _run(self, calls, prompts, completions, fields) -> list[tuple[str, Any]]:
+        if self.timeout_s is None:
+            return [self._call(k, prompts[i], completions[i], fields[i]) for i, k in calls]
+        results: list[tuple[str, Any] | None] = [None] * len(calls)
+        done: queue.Queue = queue.Queue()
+        running: dict[int, float] = {}  # call index -> deadline
+        next_call = 0
+
+        def work(j: int, i: int, k: int) -> None:
+            done.put((j, self._call(k, prompts[i], completions[i], fields[i])))
+
+        while next_call < len(calls) or running:
+            while next_call < len(calls) and len(running) < self.max_workers:
+                i, k = calls[next_call]
+                running[next_call] = time.monotonic() + self.timeout_s
+                threading.Thread(target=work, args=(next_call, i, k), daemon=True,
+                                 name=f"reward-{self.sources[k].name}-{i}").start()
+                next_call += 1
+            wait = max(0.0, min(running.values()) - time.monotonic())
+            try:
+                j, outcome = done.get(timeout=wait)
+                if j in running:  # else: a late answer from an abandoned call
+                    del running[j]
+                    results[j] = outcome
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            for j in [j for j, deadline in running.items() if deadline <= now]:
+                del running[j]
+                self.leaked_threads += 1
+                results[j] = ("timeout", f"exceeded the {self.timeout_s:g} s limit")
+        return results  # type: ignore[return-value]

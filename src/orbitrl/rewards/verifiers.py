@@ -1,0 +1,124 @@
+"""Built-in rule-based rewards: exact match, arithmetic, math (math-verify), format.
+
+Each returns 1.0 or 0.0. A missing or unusable `answer` field raises (the runner records it
+as an error for that sample), because a data problem must not read as a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from typing import Any
+
+from orbitrl.errors import OrbitError
+from orbitrl.rewards.registry import register
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+
+FORMAT_PRESETS = {
+    "boxed": r"\\boxed\{.+?\}",
+    "answer_tag": r"<answer>.+?</answer>",
+    "boxed_or_answer_tag": r"\\boxed\{.+?\}|<answer>.+?</answer>",
+    "think_answer": r"^\s*<think>.*?</think>\s*<answer>.+?</answer>\s*$",
+}
+
+
+def cut_at_eos(completion: str, eos_text: str | None = None) -> str:
+    """The completion up to (not including) the first `eos_text`, if given and present."""
+    if eos_text:
+        idx = completion.find(eos_text)
+        if idx >= 0:
+            return completion[:idx]
+    return completion
+
+
+def _answer(fields: dict[str, Any], reward: str) -> Any:
+    if "answer" not in fields or fields["answer"] is None:
+        raise KeyError(f"reward {reward!r} needs the dataset field 'answer'")
+    return fields["answer"]
+
+
+@register("exact_match")
+def exact_match(prompt: str, completion: str, **fields: Any) -> float:
+    """1.0 when the completion (cut at `eos_text` if given) stripped equals str(answer)
+    stripped, else 0.0."""
+    text = cut_at_eos(completion, fields.get("eos_text")).strip()
+    return 1.0 if text == str(_answer(fields, "exact_match")).strip() else 0.0
+
+
+def first_number(text: str) -> float | None:
+    """The first number in `text` ("1,234", "-3.5", ".5"), or None."""
+    m = _NUMBER.search(text)
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+@register("arithmetic")
+def arithmetic(prompt: str, completion: str, **fields: Any) -> float:
+    """1.0 when the first number in the completion equals the answer numerically
+    (relative tolerance 1e-9, absolute 1e-6), else 0.0; no number is a wrong answer."""
+    answer = _answer(fields, "arithmetic")
+    try:
+        target = float(str(answer).replace(",", "").strip())
+    except ValueError as e:
+        raise ValueError(f"reward 'arithmetic': answer {answer!r} is not a number") from e
+    got = first_number(cut_at_eos(completion, fields.get("eos_text")))
+    if got is None:
+        return 0.0
+    return 1.0 if math.isclose(got, target, rel_tol=1e-9, abs_tol=1e-6) else 0.0
+
+
+def _drop_timeout_notice(record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in record.getMessage()
+
+
+@register("math")
+def math_answer(prompt: str, completion: str, **fields: Any) -> float:
+    """1.0 when math-verify finds the completion's answer equivalent to the gold answer.
+
+    math-verify's own timeouts use SIGALRM, which only works in the main thread; inside a
+    RewardRunner worker they are off and the runner's time limit applies instead.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:
+        raise OrbitError("reward 'math' needs math-verify: pip install math-verify") from e
+    for name in ("math_verify.parser", "math_verify.grader"):  # the runner owns the timeout
+        logger = logging.getLogger(name)
+        if _drop_timeout_notice not in logger.filters:
+            logger.addFilter(_drop_timeout_notice)
+    main = threading.current_thread() is threading.main_thread()
+    t = 5 if main else None
+    answer = str(_answer(fields, "math"))
+    gold = parse(answer, parsing_timeout=t)
+    if not gold:
+        gold = parse(f"${answer}$", parsing_timeout=t)
+    if not gold:
+        raise ValueError(f"reward 'math': cannot parse the answer {answer!r}")
+    pred = parse(cut_at_eos(completion, fields.get("eos_text")), parsing_timeout=t)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=t) else 0.0
+
+
+def make_format_reward(pattern: str = "boxed_or_answer_tag"):
+    """A reward that is 1.0 when `pattern` (a FORMAT_PRESETS name or a regex, searched with
+    DOTALL) matches the completion. Register it with `register(name)(make_format_reward(...))`."""
+    regex = re.compile(FORMAT_PRESETS.get(pattern, pattern), re.DOTALL)
+
+    def format_reward(prompt: str, completion: str, **fields: Any) -> float:
+        text = cut_at_eos(completion, fields.get("eos_text"))
+        return 1.0 if regex.search(text) else 0.0
+    return format_reward
+
+
+_default_format = make_format_reward()
+
+
+@register("format")
+def format_check(prompt: str, completion: str, **fields: Any) -> float:
+    """1.0 when the completion matches `format_pattern` (a preset name or regex; default:
+    an answer in \\boxed{} or <answer></answer> tags). Set `format_pattern` through the
+    reward source's kwargs."""
+    pattern = fields.get("format_pattern")
+    fn = _default_format if pattern is None else make_format_reward(pattern)
+    return fn(prompt, completion, **fields)

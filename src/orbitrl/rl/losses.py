@@ -1,0 +1,316 @@
+"""Policy-gradient, value, entropy and KL losses for the GRPO/PPO family.
+
+Pure functions over tensors. B sequences, T completion positions; every [B, T] tensor is
+aligned with `mask` (1 for tokens that count, 0 for padding). Losses return
+`(loss, metrics)`: a scalar tensor carrying the gradient and a dict of Python floats.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from orbitrl.errors import OrbitError
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: finite in fp32/bf16, far past any clip range
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` over positions where `mask` is 1; 0 when the mask is empty. In fp32 (a
+    bf16 sum of a long mask is not exact)."""
+    x, mask = x.float(), mask.float()
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean",
+              norm_len: int | None = None, denom: float | None = None) -> Tensor:
+    """Reduce per-token losses to a scalar.
+
+    Modes: "token-mean" weighs every valid token equally (DAPO); "seq-mean-token-mean"
+    averages within each sequence first (original GRPO, so long answers' tokens weigh less);
+    "seq-mean-token-sum" sums within a sequence; "seq-mean-token-sum-norm" divides each
+    sequence's sum by the constant `norm_len` (Dr. GRPO: no length bias).
+
+    Args:
+        values: [B, T] per-token losses.
+        mask: [B, T] 1 for tokens that count.
+        mode: one of AGG_MODES.
+        norm_len: the Dr. GRPO constant (default T, i.e. the generation cap when padded to it).
+        denom: under gradient accumulation, the whole batch's count (valid tokens for
+            "token-mean", sequences otherwise) so that micro-batch losses sum to the batch loss.
+
+    Returns:
+        Scalar tensor.
+    """
+    values, mask = values.float(), mask.float()
+    total = values * mask
+    if mode == "token-mean":
+        return total.sum() / (denom if denom is not None else mask.sum().clamp(min=1.0))
+    n_seq = denom if denom is not None else values.shape[0]
+    if mode == "seq-mean-token-mean":
+        per_seq = total.sum(-1) / mask.sum(-1).clamp(min=1.0)
+    elif mode == "seq-mean-token-sum":
+        per_seq = total.sum(-1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = total.sum(-1) / float(norm_len or values.shape[-1])
+    else:
+        raise OrbitError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    return per_seq.sum() / max(n_seq, 1)
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's per-sequence log importance ratio: mean token log-ratio over valid tokens.
+
+    exp() of it is the geometric mean of the token ratios. logp, old_logp, mask: [B, T].
+    Returns [B].
+    """
+    mask = mask.to(logp.dtype)
+    return ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def tis_weights(trainer_logp: Tensor, rollout_logp: Tensor, cap: float = 2.0) -> Tensor:
+    """Truncated importance-sampling weights min(pi_trainer / pi_rollout, cap), detached.
+
+    Corrects for samples drawn by a policy (engine kernels, an older version) that differs
+    from the one the trainer computes; the cap bounds the variance. Shapes: [B, T] -> [B, T].
+    """
+    log_w = (trainer_logp.detach() - rollout_logp.detach()).clamp(max=_MAX_LOG_RATIO)
+    return log_w.exp().clamp(max=cap)
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                clip_low: float = 0.1, clip_high: float = 0.1, dual_clip: float | None = None,
+                ratio_level: str = "token", agg: str = "token-mean",
+                norm_len: int | None = None, denom: float | None = None,
+                rollout_logp: Tensor | None = None, tis_cap: float = 2.0
+                ) -> tuple[Tensor, dict[str, float]]:
+    """PPO/GRPO clipped surrogate, with clip-higher, dual-clip, GSPO and TIS options.
+
+    Per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)); with dual_clip = c > 1,
+    tokens with A < 0 are further capped at -A c (Ye et al. 2020). With
+    ratio_level="sequence" (GSPO) every token of sequence i uses the sequence ratio
+    s_i = exp(sequence_log_ratio) for value and clipping, and the gradient of s_i (GSPO-token
+    form: logp - sg(logp) + sg(log s_i)); pair it with agg="seq-mean-token-mean" and small clip
+    ranges (GSPO uses 3e-4 / 4e-4). If `rollout_logp` is given, each token's loss is multiplied
+    by tis_weights(old_logp, rollout_logp, tis_cap).
+
+    Args:
+        logp: [B, T] current policy logprobs of the sampled tokens (with grad).
+        old_logp: [B, T] logprobs of the policy that sampled, as the trainer computes them.
+        advantages: [B, T], or [B] broadcast over tokens.
+        mask: [B, T].
+        rollout_logp: [B, T] logprobs recorded by the rollout engine, or None.
+        Others: see `aggregate` for agg, norm_len, denom.
+
+    Returns:
+        (loss, metrics) with metrics pg_loss, clip_frac, clip_frac_low, clip_frac_high,
+        ratio_mean, ratio_max, ratio_min, approx_kl (k3 estimate of KL(old || current)), and
+        with TIS tis_weight_mean, tis_clip_frac, logprob_mismatch_max/mean; with dual clip
+        dual_clip_frac.
+    """
+    logp, old_logp = logp.float(), old_logp.detach().float()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp)
+    advantages = advantages.detach().float()
+    token_log_ratio = logp - old_logp
+    if ratio_level == "token":
+        log_ratio = token_log_ratio
+    elif ratio_level == "sequence":
+        seq = sequence_log_ratio(logp.detach(), old_logp, mask)
+        log_ratio = logp - logp.detach() + seq[:, None]
+    else:
+        raise OrbitError(f"unknown ratio_level {ratio_level!r}; expected 'token' or 'sequence'")
+    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(loss1, loss2)
+    m = mask.float()
+    metrics: dict[str, Tensor] = {}  # turned into floats with one device sync at the end
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise OrbitError(f"dual_clip must be > 1, got {dual_clip}")
+        loss3 = -advantages * dual_clip
+        capped = (advantages < 0) & (per_token > loss3)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, loss3), per_token)
+        metrics["dual_clip_frac"] = masked_mean(capped.to(m.dtype), m)
+    if rollout_logp is not None:
+        w = tis_weights(old_logp, rollout_logp, tis_cap)
+        per_token = per_token * w
+        gap = (old_logp - rollout_logp.detach()).abs()
+        metrics["tis_weight_mean"] = masked_mean(w, m)
+        metrics["tis_clip_frac"] = masked_mean((w >= tis_cap).to(m.dtype), m)
+        metrics["logprob_mismatch_max"] = (gap * m).max() if m.numel() else gap.new_zeros(())
+        metrics["logprob_mismatch_mean"] = masked_mean(gap, m)
+    loss = aggregate(per_token, mask, agg, norm_len, denom)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        high = (advantages > 0) & (r > 1.0 + clip_high)
+        low = (advantages < 0) & (r < 1.0 - clip_low)
+        valid = m.bool()
+        inf = torch.tensor(float("inf"), device=r.device)
+        any_valid = valid.any()  # stays on device: no sync until the single one below
+        tlr = token_log_ratio.detach()
+        metrics.update(
+            pg_loss=loss.detach(),
+            clip_frac=masked_mean((high | low).to(m.dtype), m),
+            clip_frac_high=masked_mean(high.to(m.dtype), m),
+            clip_frac_low=masked_mean(low.to(m.dtype), m),
+            ratio_mean=torch.where(any_valid, masked_mean(r, m), 1.0),
+            ratio_max=torch.where(any_valid, torch.where(valid, r, -inf).max(), 1.0),
+            ratio_min=torch.where(any_valid, torch.where(valid, r, inf).min(), 1.0),
+            approx_kl=masked_mean(tlr.clamp(max=_MAX_LOG_RATIO).exp() - 1.0 - tlr, m),
+        )
+        values = torch.stack([v.float() for v in metrics.values()]).tolist()
+    return loss, dict(zip(metrics.keys(), values))
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
+
+    k1 = logp - ref (unbiased, high variance, can be negative); k2 = (logp - ref)^2 / 2
+    (biased, low variance; as a loss its gradient is the on-policy reverse-KL gradient);
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0; GRPO's choice).
+    k1's gradient as a loss is zero in expectation: use it as a reward penalty instead.
+    Shapes: [B, T] -> [B, T].
+    """
+    d = logp.float() - ref_logp.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        neg = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return neg.exp() - neg - 1.0
+    raise OrbitError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str = "k3",
+            agg: str = "token-mean", norm_len: int | None = None, denom: float | None = None
+            ) -> tuple[Tensor, dict[str, float]]:
+    """KL-to-reference loss term (multiply by the controller's coefficient).
+
+    Args:
+        logp: [B, T] with grad; ref_logp: [B, T] reference (anchor) logprobs; mask: [B, T].
+
+    Returns:
+        (loss, {"kl": mean estimate over valid tokens}).
+    """
+    per_token = kl_estimate(logp, ref_logp.detach(), kind)
+    loss = aggregate(per_token, mask, agg, norm_len, denom)
+    return loss, {"kl": masked_mean(per_token.detach(), mask).item()}
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution, in fp32. logits: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+               clip: float | None = 0.2, agg: str = "token-mean",
+               norm_len: int | None = None, denom: float | None = None
+               ) -> tuple[Tensor, dict[str, float]]:
+    """Clipped PPO critic loss: 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2).
+
+    Args:
+        values: [B, T] critic predictions (with grad); old_values: [B, T] at rollout time;
+        returns: [B, T] targets (e.g. from `gae`); mask: [B, T]; clip: None for unclipped.
+
+    Returns:
+        (loss, metrics) with value_loss, value_clip_frac, value_mean, explained_var.
+    """
+    values, returns = values.float(), returns.detach().float()
+    err = (values - returns) ** 2
+    m = mask.float()
+    if clip is not None:
+        old_values = old_values.detach().float()
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped - returns) ** 2
+        per_token = 0.5 * torch.maximum(err, err_clipped)
+        clip_frac = masked_mean((err_clipped > err).to(m.dtype), m).item()
+    else:
+        per_token, clip_frac = 0.5 * err, 0.0
+    loss = aggregate(per_token, mask, agg, norm_len, denom)
+    with torch.no_grad():
+        resid = returns - values
+        var_r = masked_mean((returns - masked_mean(returns, m)) ** 2, m)
+        var_e = masked_mean((resid - masked_mean(resid, m)) ** 2, m)
+        ev = (1.0 - var_e / var_r).item() if var_r > 0 else 0.0
+    return loss, {"value_loss": loss.item(), "value_clip_frac": clip_frac,
+                  "value_mean": masked_mean(values.detach(), m).item(), "explained_var": ev}
+
+
+def actor_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+               ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+               entropy: Tensor | None = None, entropy_coef: float = 0.0,
+               **policy_kwargs) -> tuple[Tensor, dict[str, float]]:
+    """policy_loss + kl_coef * KL term - entropy_coef * entropy, with merged metrics.
+
+    Args:
+        logp, old_logp, advantages, mask: as in `policy_loss`.
+        ref_logp: [B, T] reference logprobs; when given, metrics["kl"] is reported even if
+            kl_coef is 0 (KL as a reward penalty instead, or monitoring only).
+        entropy: [B, T] per-token entropy (e.g. `entropy_from_logits`), or None.
+        policy_kwargs: forwarded to `policy_loss` (clip_low, clip_high, agg, rollout_logp...).
+
+    Returns:
+        (loss, metrics) with the policy metrics plus kl, entropy and loss when available.
+    """
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, **policy_kwargs)
+    agg = (policy_kwargs.get("agg", "token-mean"), policy_kwargs.get("norm_len"),
+           policy_kwargs.get("denom"))
+    if ref_logp is not None:
+        kl, kl_metrics = kl_loss(logp, ref_logp, mask, kl_estimator, *agg)
+        metrics.update(kl_metrics)
+        if kl_coef:
+            loss = loss + kl_coef * kl
+    if entropy is not None:
+        ent = aggregate(entropy, mask, *agg)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
+        if entropy_coef:
+            loss = loss - entropy_coef * ent
+    metrics["loss"] = loss.item()
+    return loss, metrics
+
+
+class FixedKLController:
+    """Constant KL coefficient (MISSION default 0.01)."""
+
+    def __init__(self, coef: float = 0.01):
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """No-op; returns the coefficient."""
+        return self.value
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): steer the KL toward `target` with a clipped proportional rule.
+
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon. `target` is in the
+    units of the KL passed to `update` (per-token mean or per-sequence sum: be consistent).
+    """
+
+    def __init__(self, init_coef: float = 0.01, target: float = 0.1, horizon: int = 10000):
+        if target <= 0 or horizon <= 0:
+            raise OrbitError(f"adaptive KL needs target > 0 and horizon > 0, got {target}, {horizon}")
+        self.value, self.target, self.horizon = float(init_coef), float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Adjust after `n_steps` samples (or steps) at the observed KL; returns the new coef."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+
+def make_kl_controller(kind: str = "fixed", coef: float = 0.01, target: float = 0.1,
+                       horizon: int = 10000) -> FixedKLController | AdaptiveKLController:
+    """Build a KL controller from config values: kind is "fixed" or "adaptive"."""
+    if kind == "fixed":
+        return FixedKLController(coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(coef, target, horizon)
+    raise OrbitError(f"unknown KL controller {kind!r}; expected 'fixed' or 'adaptive'")

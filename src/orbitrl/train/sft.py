@@ -1,0 +1,78 @@
+"""Supervised fine-tuning on prompt/answer pairs (loss on answer tokens only).
+
+Used to warm-start the built-in model so RL has something to improve, and exposed as
+``orbitrl sft`` because users need SFT before RL too.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from orbitrl.model.decoder import Decoder
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 1e-3
+    steps: int = 300
+    batch_size: int = 64
+    warmup: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+def encode_pairs(tokenizer, rows: list[dict], prompt_field="prompt", answer_field="answer"):
+    """(prompt ids, answer ids + eos) per row."""
+    out = []
+    for r in rows:
+        p = tokenizer(r[prompt_field], add_special_tokens=False)["input_ids"]
+        a = tokenizer(str(r[answer_field]), add_special_tokens=False)["input_ids"]
+        out.append((p, a + [tokenizer.eos_token_id]))
+    return out
+
+
+def sft_loss(model: Decoder, batch: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Mean next-token NLL over answer tokens of a packed batch."""
+    seqs = [p + a for p, a in batch]
+    ids, pos, sid = Decoder.packed_inputs(seqs, device=model.device)
+    logits = model(ids, positions=pos, seq_ids=sid)[0]  # [N, V]
+    targets, where = [], []
+    start = 0
+    for p, a in batch:
+        # position of the token that predicts answer token j is start+len(p)-1+j
+        where += range(start + len(p) - 1, start + len(p) - 1 + len(a))
+        targets += a
+        start += len(p) + len(a)
+    idx = torch.tensor(where, device=ids.device)
+    tgt = torch.tensor(targets, device=ids.device)
+    return F.cross_entropy(logits[idx].float(), tgt)
+
+
+def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None) -> list[float]:
+    """AdamW with warmup + cosine decay; returns the loss per step."""
+    rng = random.Random(cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    model.train()
+    losses = []
+    for step in range(cfg.steps):
+        batch = rng.sample(pairs, min(cfg.batch_size, len(pairs)))
+        loss = sft_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step, loss.item())
+    model.eval()
+    return losses
