@@ -1,0 +1,83 @@
+"""Bytes per parameter of each frozen-weight storage format (weights + scales), pure arithmetic.
+
+The one source of these figures: the planner prices a frozen base with :func:`bytes_per_param`
+and the runtime's :class:`orbitrl.model.quant.FrozenLinear` is tested to hold exactly
+:func:`linear_bytes` for its shape. Each formula mirrors the layout actually stored:
+
+- ``fp32`` / ``bf16`` / ``fp16``: the weight, 4 / 2 / 2 B.
+- ``int8`` (torchao ``Int8Tensor``, symmetric per output row): 1 B code, plus per row an fp32
+  scale and an int8 zero point: ``1 + 5 / in_features``.
+- ``nf4`` (torchao ``NF4Tensor``, QLoRA's double quantization): 4-bit codes over the flattened
+  weight in blocks of ``block`` values; each block's absmax quantized to int8; one fp32 factor
+  per ``scaler_block`` absmaxes; per tensor an fp32 mean and the 16-entry fp32 code book:
+  ``0.5 + 1 / block + 4 / (block * scaler_block)`` (+ 68 B per tensor).
+- ``int4`` (ours, symmetric group-wise, two codes per byte): ``0.5 + 2 / group`` (a bf16
+  scale per ``group`` values along the input dimension).
+"""
+
+from __future__ import annotations
+
+import math
+
+FORMATS = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
+
+NF4_BLOCK = 64          # values per absmax (QLoRA, torchao and bitsandbytes default)
+NF4_SCALER_BLOCK = 256  # absmaxes per fp32 factor (torchao default)
+INT4_GROUP = 32         # values per bf16 scale (GGUF Q4_0-sized groups; divides every width)
+TYPICAL_IN_FEATURES = 4096  # a row length for per-row overheads when no shape is given
+
+_PLAIN = {"fp32": 4, "bf16": 2, "fp16": 2}
+_NF4_PER_TENSOR = 4 + 16 * 4  # fp32 scaler mean + fp32 code book
+
+
+def nf4_scaler_block(numel: int, block: int = NF4_BLOCK,
+                     scaler_block: int = NF4_SCALER_BLOCK) -> int:
+    """The scaler block a tensor of ``numel`` values actually gets: the largest divisor of its
+    block count that divides ``scaler_block`` (torchao needs the count divisible)."""
+    return math.gcd(numel // block, scaler_block)
+
+
+def bytes_per_param(fmt: str, in_features: int = TYPICAL_IN_FEATURES, *,
+                    block: int = NF4_BLOCK, scaler_block: int = NF4_SCALER_BLOCK,
+                    group: int = INT4_GROUP) -> float:
+    """Bytes one frozen weight parameter costs in ``fmt``, scales included.
+
+    Args:
+        fmt: one of :data:`FORMATS`.
+        in_features: row length (per-row scales of int8 are amortised over it).
+        block, scaler_block: NF4 block sizes. group: int4 group size.
+    Returns:
+        Bytes per parameter (per-tensor constants excluded; see :func:`linear_bytes`).
+    """
+    if fmt in _PLAIN:
+        return float(_PLAIN[fmt])
+    if fmt == "int8":
+        return 1.0 + 5.0 / in_features
+    if fmt == "nf4":
+        return 0.5 + 1.0 / block + 4.0 / (block * scaler_block)
+    if fmt == "int4":
+        return 0.5 + 2.0 / group
+    raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+def linear_bytes(fmt: str, out_features: int, in_features: int, *, block: int = NF4_BLOCK,
+                 scaler_block: int = NF4_SCALER_BLOCK, group: int = INT4_GROUP) -> int:
+    """Exact resident bytes of one frozen ``[out_features, in_features]`` weight in ``fmt``
+    (bias excluded), per-tensor constants and the actual NF4 scaler block included."""
+    n = out_features * in_features
+    if fmt in _PLAIN:
+        return n * _PLAIN[fmt]
+    if fmt == "int8":
+        return n + 5 * out_features
+    if fmt == "nf4":
+        blocks = n // block
+        sb = nf4_scaler_block(n, block, scaler_block)
+        return n // 2 + blocks + 4 * (blocks // sb) + _NF4_PER_TENSOR
+    if fmt == "int4":
+        return n // 2 + 2 * out_features * (in_features // group)
+    raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+# The planner's table: bytes per parameter for a typical row length. (Note: the older table in
+# orbitrl.ledger.memory prices "int4" as 0.5 + 1/64, i.e. NF4 without its fp32 factors.)
+PARAM_BYTES = {**{fmt: bytes_per_param(fmt) for fmt in FORMATS}, "fp8": 1.0}

@@ -1,0 +1,196 @@
+"""Memory ledger: bytes of model state, activations, logits and KV, per device and per phase.
+
+Units are bytes throughout (GB in docs and CLI means 1e9 bytes, so "16 TB" is 16e12 bytes).
+The planner calls these with a cluster's sharding; the runtime calls :func:`predict_peak`
+with one device and its batch shape, and writes the prediction next to the measured peak.
+
+Per-parameter bills, by strategy:
+
+- ``adamw``: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + fp32 moments 8 = 16 B;
+- ``stateless``: the trained weights only (2 B in bf16); each layer's gradient lives only
+  while that layer's backward runs, then the fused update consumes and frees it;
+- ``adapter``: the frozen base in ``base_dtype`` plus LoRA adapters at 16 B each (bf16
+  weight and grad, fp32 master and AdamW moments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from orbitrl.ledger.formats import PARAM_BYTES as FORMAT_BYTES
+from orbitrl.ledger.kv import blocks_for_tokens, kv_bytes_per_block
+from orbitrl.ledger.models import ModelShape, from_config
+
+STRATEGIES = ("adamw", "stateless", "adapter")
+
+# bytes per parameter of each storage format, scales included: one table, shared with the
+# runtime's frozen-weight formats (int4: group-32 bf16 scales, 0.5625 B; nf4: 0.516 B).
+PARAM_BYTES = FORMAT_BYTES
+
+ADAPTER_BYTES_PER_PARAM = 16  # bf16 weight + bf16 grad + fp32 master + fp32 m and v
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What trains and in which precision.
+
+    ``weight_dtype``/``grad_dtype`` apply to full-parameter strategies; ``base_dtype`` to the
+    frozen base of ``adapter``. ``offload_optimizer`` keeps master weights and moments on the host.
+    """
+
+    kind: str = "stateless"
+    base_dtype: str = "bf16"
+    adapter_rank: int = 16
+    weight_dtype: str = "bf16"
+    grad_dtype: str = "bf16"
+    offload_optimizer: bool = False
+
+    def __post_init__(self):
+        if self.kind not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.kind!r}; one of {', '.join(STRATEGIES)}")
+        for f in ("base_dtype", "weight_dtype", "grad_dtype"):
+            if getattr(self, f) not in PARAM_BYTES:
+                raise ValueError(f"unknown {f} {getattr(self, f)!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The batch shape of one RL step.
+
+    Args:
+        prompt_len, completion_len: tokens; completion_len is the cap (KV is sized for it).
+        rollout_seqs: sequences decoding at once across the whole cluster (KV pool size).
+        micro_batch: sequences per device per forward/backward micro step.
+        samples_per_step: sequences trained per optimizer step (sets step time).
+        kv_dtype: KV storage (bf16, fp8: half the bytes); block_size: tokens per KV block.
+        recompute: per-layer activation checkpointing (keeps one residual per layer, redoes
+            the layer in backward: about 4/3 the compute).
+        logit_chunk: tokens per chunk of the chunked logprob (bounds the fp32 logits).
+    """
+
+    prompt_len: int = 512
+    completion_len: int = 1536
+    rollout_seqs: int = 256
+    micro_batch: int = 1
+    samples_per_step: int = 512
+    kv_dtype: str = "bf16"
+    block_size: int = 16
+    recompute: bool = True
+    logit_chunk: int = 1024
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.completion_len
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of a trained model, whole (not sharded)."""
+
+    weights: int      # trained or frozen weights as stored
+    grads: int        # persistent gradient buffers (0 when released per layer)
+    master: int       # fp32 master copy
+    optimizer: int    # optimizer moments
+    layer_grad: int   # transient: one gathered layer's gradient (per-layer release)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master + self.optimizer
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def state_bytes(shape: ModelShape, strategy: Strategy) -> StateBytes:
+    """Model state of the policy under ``strategy`` (see the module docstring for the bills)."""
+    p = shape.total_params
+    if strategy.kind == "adapter":
+        a = shape.adapter_params(strategy.adapter_rank)
+        return StateBytes(weights=int(p * PARAM_BYTES[strategy.base_dtype]) + 2 * a, grads=2 * a,
+                          master=4 * a, optimizer=8 * a, layer_grad=0)
+    w = int(p * PARAM_BYTES[strategy.weight_dtype])
+    g = int(p * PARAM_BYTES[strategy.grad_dtype])
+    if strategy.kind == "adamw":
+        return StateBytes(weights=w, grads=g, master=4 * p, optimizer=8 * p, layer_grad=0)
+    layer_grad = int(shape.gathered_layer_params * PARAM_BYTES[strategy.grad_dtype])
+    return StateBytes(weights=w, grads=0, master=0, optimizer=0, layer_grad=layer_grad)
+
+
+def training_bytes(params: float, strategy: str = "adamw", weight_dtype: str = "bf16",
+                   grad_dtype: str = "bf16") -> int:
+    """Whole-model state bytes for a bare parameter count (1e12 AdamW -> 16e12 B)."""
+    from orbitrl.ledger.models import from_params
+    return state_bytes(from_params(params), Strategy(strategy, weight_dtype=weight_dtype,
+                                                     grad_dtype=grad_dtype)).total
+
+
+def layer_activation_elems(shape: ModelShape) -> int:
+    """bf16 elements one decoder layer keeps per token for its backward (flash attention).
+
+    Norm inputs/outputs and residual (5h), q and attention output (2q), k and v (2kv),
+    gate, up, act(gate) and their product (4f, f the active feed-forward width).
+    """
+    q = shape.num_heads * shape.head_dim
+    if shape.is_moe:
+        f = (shape.experts_per_token + shape.shared_experts) * shape.expert_intermediate
+    else:
+        f = shape.intermediate
+    return 5 * shape.hidden + 2 * q + 2 * shape.kv_dim + 4 * f
+
+
+def activation_bytes(shape: ModelShape, tokens: int, recompute: bool, tp: int = 1) -> int:
+    """Saved activations for a backward over ``tokens`` tokens on one device (bf16).
+
+    With recompute each layer keeps only its input (h) and one layer's full set is live
+    during its recomputation; without, every layer keeps its full set. Tensor parallelism
+    with sequence parallelism splits both by ``tp``.
+    """
+    per_layer = 2 * tokens * layer_activation_elems(shape)
+    if recompute:
+        total = 2 * tokens * shape.hidden * shape.num_layers + per_layer
+    else:
+        total = per_layer * shape.num_layers
+    return total // tp
+
+
+def forward_bytes(shape: ModelShape, tokens: int, tp: int = 1) -> int:
+    """Live activations of a no-grad forward (scoring, prefill): one layer at a time."""
+    return 2 * tokens * layer_activation_elems(shape) // tp
+
+
+def logits_bytes(shape: ModelShape, tokens: int, chunk: int, grad: bool) -> int:
+    """fp32 logits of one chunk of tokens (and their gradient when training)."""
+    return min(tokens, chunk) * shape.vocab * 4 * (2 if grad else 1)
+
+
+def kv_cache_bytes(shape: ModelShape, seqs: int, seq_len: int, kv_dtype: str,
+                   block_size: int = 16) -> int:
+    """Paged KV for ``seqs`` sequences of up to ``seq_len`` tokens (whole blocks)."""
+    scale = 4 if kv_dtype == "fp8" else 0
+    block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                               block_size, kv_dtype, scale)
+    return seqs * blocks_for_tokens(seq_len, block_size) * block
+
+
+def predict_peak(model, strategy: Strategy | str, workload: Workload | None = None,
+                 devices: int = 1, prefetch_depth: int = 0) -> dict:
+    """Per-phase peak bytes on one device: what the runtime compares to its measured peak.
+
+    Args:
+        model: a :class:`ModelShape` or a Hugging Face ``config.json`` dict.
+        strategy: a :class:`Strategy` or its kind (``adamw``, ``stateless``, ``adapter``).
+        workload: the batch shape (``rollout_seqs`` counts sequences on this device set).
+        devices: devices the state is sharded over (1 for a single-process CPU run).
+        prefetch_depth: layers gathered ahead (0: nothing gathered on one device).
+    Returns:
+        ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
+    """
+    from orbitrl.ledger.bill import phase_terms  # the planner's own arithmetic
+    shape = model if isinstance(model, ModelShape) else from_config(model)
+    strat = strategy if isinstance(strategy, Strategy) else Strategy(strategy)
+    terms = phase_terms(shape, strat, workload or Workload(), devices=devices,
+                        prefetch_depth=prefetch_depth)
+    out = {phase: sum(t.values()) for phase, t in terms.items()}
+    out["peak"] = max(out.values())
+    out["terms"] = terms
+    return out
