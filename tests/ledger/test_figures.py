@@ -61,13 +61,19 @@ def test_int4_base_with_adapters_fits_60_percent_of_node():
     assert p.per_device_bytes * 8 <= 0.6 * 8 * 192 * GB
 
 
-def test_group32_int4_base_fits_the_node_at_about_60_percent():
-    """Our int4 keeps a bf16 scale per 32 values (0.5625 B/param): 1.6T is 0.9 TB, 58.6% of
-    the node before adapters; it fits the node, and within 60% with rank-8 adapters."""
+def test_planner_int4_is_group128_and_runtime_group_is_explicit():
+    """The planner prices int4 like GPTQ/AWQ/torchao checkpoints (a bf16 scale per 128 values,
+    0.515625 B/param: 1.6T is 0.825 TB); the runtime's own default group (32, 0.5625 B/param,
+    0.9 TB) is priced when asked for, and formats.PARAM_BYTES (the runtime's table) is unchanged."""
+    from orbitrl.ledger import formats
     shape = from_params(1.6e12)
-    assert shape.total_params * PARAM_BYTES["int4"] == 0.9 * TB
-    assert state_bytes(shape, Strategy("adapter", base_dtype="int4", adapter_rank=8)).total \
-        <= 0.6 * 8 * 192 * GB
+    assert formats.PLANNER_INT4_GROUP == 128 and formats.INT4_GROUP == 32
+    assert shape.total_params * PARAM_BYTES["int4"] == 0.825 * TB
+    assert formats.PARAM_BYTES["int4"] == 0.5625
+    g32 = Strategy("adapter", base_dtype="int4", int4_group=formats.INT4_GROUP)
+    st = state_bytes(shape, Strategy("adapter", base_dtype="int4"))
+    assert state_bytes(shape, g32).weights - st.weights == 0.075 * TB
+    assert st.total <= 0.6 * 8 * 192 * GB
     p = plan(shape, Strategy("adapter", base_dtype="int4"), Workload(rollout_seqs=16, kv_dtype="fp8"),
              Cluster(8, 192 * GB))
     assert p.fits and p.min_devices <= 8

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from orbitrl.errors import OrbitError
 
@@ -26,6 +27,7 @@ CHOICES = {
     "--offload": ("none", "optimizer", "weights"),
     "--sync": ("auto", "full", "adapter", "changed"),
     "--recompute": ("on", "off"),
+    "--base-layout": ("auto", "replicated", "sharded"),
 }
 
 
@@ -46,14 +48,22 @@ def add_arguments(parser):
     s.add_argument("--strategy", default="stateless", help="adamw | stateless | adapter")
     s.add_argument("--base-dtype", default="bf16", help="frozen base of adapter: bf16 | int8 | int4 | nf4")
     s.add_argument("--adapter-rank", default="16")
+    s.add_argument("--int4-group", default="128",
+                   help="values per bf16 scale of an int4 base (128: GPTQ/AWQ/torchao layout)")
     s.add_argument("--weight-dtype", default="bf16")
     s.add_argument("--grad-dtype", default="bf16")
     s.add_argument("--offload", default="none", help="none | optimizer | weights (to host)")
     w = parser.add_argument_group("workload")
     w.add_argument("--prompt-len", default="512")
     w.add_argument("--completion-len", default="1536", help="completion cap, tokens")
-    w.add_argument("--rollout-seqs", default="256", help="concurrent sequences in the cluster")
-    w.add_argument("--micro-batch", default="1", help="sequences per device per micro step")
+    w.add_argument("--rollout-seqs", default="auto",
+                   help="concurrent sequences the run needs in the cluster (their KV must fit); "
+                        "auto: elastic KV pool from the memory left (default)")
+    w.add_argument("--min-rollout-seqs", default="8",
+                   help="elastic KV: max-length sequences per device that must fit")
+    w.add_argument("--micro-batch", default="auto",
+                   help="sequences per tp group per micro step (packed); auto: fewest whose "
+                        "compute hides the layer gathers, lowered to fit memory")
     w.add_argument("--samples-per-step", default="512")
     w.add_argument("--kv-dtype", default="bf16")
     w.add_argument("--recompute", default="on", help="on | off")
@@ -66,7 +76,10 @@ def add_arguments(parser):
     r.add_argument("--reward-tier", default="device")
     r.add_argument("--critic", action="store_true", help="PPO value model (policy-sized)")
     l_ = parser.add_argument_group("layout, links and schedule")
-    l_.add_argument("--tp", default="0", help="tensor parallel degree (0: smallest that fits)")
+    l_.add_argument("--tp", default="0", help="tensor parallel degree (0: the planner picks)")
+    l_.add_argument("--base-layout", default="auto",
+                    help="adapter's frozen base: replicated per tp group (no gathers) | sharded | "
+                         "auto (replicated when it fits)")
     l_.add_argument("--prefetch-depth", default="2", help="layers gathered ahead")
     l_.add_argument("--interconnect-gbps", default="50")
     l_.add_argument("--host-gbps", default="25")
@@ -131,23 +144,28 @@ def build(args):
     """Parse and validate the flags into ledger objects; OrbitError names the bad flag."""
     from orbitrl.ledger.bandwidth import Links
     from orbitrl.ledger.bill import RoleOptions
-    from orbitrl.ledger.memory import PARAM_BYTES, Strategy, Workload
+    from orbitrl.ledger.memory import Strategy, Workload
     from orbitrl.ledger.plan import Cluster, Options
     shape = _shape(args)
     strat = Strategy(_choice(args, "--strategy"), _choice(args, "--base-dtype"),
                      _num(args, "--adapter-rank", int), _choice(args, "--weight-dtype"),
-                     _choice(args, "--grad-dtype"))
+                     _choice(args, "--grad-dtype"), int4_group=_num(args, "--int4-group", int))
     mem = _num(args, "--device-memory-gb") * GB
-    wd = strat.base_dtype if strat.kind == "adapter" else strat.weight_dtype
-    layer = shape.layer_params * PARAM_BYTES[wd]
+    wd = strat.stored_dtype
+    layer = shape.layer_params * strat.bytes_per_param()
     if mem < layer:
         raise OrbitError(f"--device-memory-gb: {mem / GB:g} GB is smaller than one layer of the "
                          f"model ({layer / GB:.2f} GB in {wd})")
-    work = Workload(_num(args, "--prompt-len", int), _num(args, "--completion-len", int),
-                    _num(args, "--rollout-seqs", int), _num(args, "--micro-batch", int),
-                    _num(args, "--samples-per-step", int), _choice(args, "--kv-dtype"),
+    auto = ("auto", "0", "")
+    work = Workload(prompt_len=_num(args, "--prompt-len", int),
+                    completion_len=_num(args, "--completion-len", int),
+                    rollout_seqs=None if args.rollout_seqs in auto else _num(args, "--rollout-seqs", int),
+                    micro_batch=0 if args.micro_batch in auto else _num(args, "--micro-batch", int),
+                    samples_per_step=_num(args, "--samples-per-step", int),
+                    kv_dtype=_choice(args, "--kv-dtype"),
                     recompute=_choice(args, "--recompute") == "on",
-                    logit_chunk=_num(args, "--logit-chunk", int))
+                    logit_chunk=_num(args, "--logit-chunk", int),
+                    min_rollout_seqs=_num(args, "--min-rollout-seqs", int))
     reward = 0 if args.reward_params in ("0", "") else _num(args, "--reward-params", int)
     roles = RoleOptions(_choice(args, "--reference"), _choice(args, "--ref-dtype"), reward,
                         _choice(args, "--reward-dtype"), _choice(args, "--reward-tier"),
@@ -163,7 +181,7 @@ def build(args):
     opts = Options(roles, tp or None, _num(args, "--prefetch-depth", int, positive=False),
                    _num(args, "--long-tail-fraction", positive=False, lo=0.0, hi=0.95),
                    _num(args, "--staleness", int), _choice(args, "--sync"),
-                   _num(args, "--changed-fraction", lo=0.0, hi=1.0))
+                   _num(args, "--changed-fraction", lo=0.0, hi=1.0), _choice(args, "--base-layout"))
     return shape, strat, work, cluster, opts
 
 
@@ -171,8 +189,10 @@ def run(args) -> int:
     from orbitrl.ledger.plan import plan
     from orbitrl.ledger.report import render
     p = plan(*build(args))
-    if args.json:
-        print(json.dumps(p.to_dict(), indent=2))
-    else:
-        print(render(p.to_dict()))
+    text = json.dumps(p.to_dict(), indent=2) if args.json else render(p.to_dict())
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `orbitrl plan ... | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -95,10 +95,14 @@ def sync_transfer(mode: str, weight_bytes: float, adapter_bytes: float, changed_
 
 
 def train_compute_seconds(active_params: int, tokens: float, recompute: bool,
-                          links: Links) -> float:
-    """Forward+backward device-seconds: 6 flops/param/token, 8 with recompute."""
-    flops = (8 if recompute else 6) * active_params * tokens
-    return flops / (links.device_tflops * 1e12)
+                          links: Links, frozen: bool = False) -> float:
+    """Forward+backward device-seconds: 6 flops/param/token, 8 with recompute.
+
+    ``frozen``: the weights train no gradient of their own (an adapter's base): the backward
+    computes only input gradients, 4 flops/param/token, 6 with recompute (adapters: noise).
+    """
+    per = (2 if recompute else 0) + (4 if frozen else 6)
+    return per * active_params * tokens / (links.device_tflops * 1e12)
 
 
 def decode_step_seconds(read_bytes: float, gather_bytes: float, links: Links,

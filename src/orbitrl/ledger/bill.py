@@ -10,7 +10,13 @@ hold for the whole step.
 Layouts: training shards model state ZeRO-3 style over ``devices`` (tensor parallel ``tp``
 inside a node, data parallel ``devices / tp`` across), gathering one layer at a time plus
 ``prefetch_depth`` layers ahead. Generation runs the same one copy re-laid out as one
-tp x pp instance over the pool, weights resident (no per-token gathers).
+tp x pp instance over the pool, weights resident (no per-token gathers). A frozen adapter
+base may instead be replicated (``replicate_base``): each tp group holds a whole copy split
+only by tp, nothing is gathered, and each tp group generates on its own.
+
+Rollout KV: ``kv_blocks`` (whole blocks, summed over the cluster) when the planner has sized
+the pool; otherwise the workload's reserve (its fixed ``rollout_seqs``, or the elastic
+minimum of ``min_rollout_seqs`` max-length sequences per device).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from orbitrl.ledger.memory import (PARAM_BYTES, StateBytes, Strategy, Workload, activation_bytes,
-                                   forward_bytes, kv_cache_bytes, logits_bytes, state_bytes)
+                                   forward_bytes, kv_block_bytes, logits_bytes, state_bytes)
 from orbitrl.ledger.models import ModelShape
 
 PHASES = ("rollout", "score", "train")
@@ -74,16 +80,24 @@ def _frozen_terms(role: str, params: int, dtype: str, tier: str, layers: int, n:
 
 def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: int = 1,
                 prefetch_depth: int = 0, tp: int = 1, roles: RoleOptions | None = None,
-                with_host: bool = False) -> dict:
-    """Per-device bytes ``{phase: {"role:item": B}}`` (and ``"host"`` when ``with_host``)."""
+                with_host: bool = False, replicate_base: bool = False,
+                kv_blocks: int | None = None) -> dict:
+    """Per-device bytes ``{phase: {"role:item": B}}`` (and ``"host"`` when ``with_host``).
+
+    ``replicate_base`` (adapter strategy, no weight offload): the frozen base is held per tp
+    group (``1/tp`` of it on each device) and never gathered. ``kv_blocks``: the KV pool in
+    whole blocks over the cluster (default: the workload's reserve, see the module doc).
+    """
     roles = roles or RoleOptions()
     n = devices
     phases: dict[str, dict[str, int]] = {p: {} for p in PHASES}
     host: dict[str, int] = {}
     st = state_bytes(shape, strategy)
-    wdtype = strategy.base_dtype if strategy.kind == "adapter" else strategy.weight_dtype
-    layer_w = shape.gathered_layer_params * PARAM_BYTES[wdtype]
-    gathers = n // tp > 1 or roles.offload >= 2  # dp == 1: tp shards stay resident, nothing gathered
+    layer_w = shape.gathered_layer_params * strategy.bytes_per_param()
+    replicated = replicate_base and strategy.kind == "adapter" and roles.offload < 2
+    # dp == 1: tp shards stay resident, nothing gathered; a replicated base is never gathered
+    gathers = (n // tp > 1 and not replicated) or roles.offload >= 2
+    adapter = shape.adapter_params(strategy.adapter_rank) if strategy.kind == "adapter" else 0
 
     # actor (and critic, the same bill) model state
     actors = ["actor"] + (["critic"] if roles.critic else [])
@@ -96,6 +110,8 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
         for p in PHASES:
             if roles.offload >= 2:
                 host[f"{role}:weights"] = _shard(w, n)
+            elif replicated and role == "actor":  # base per tp group, adapters sharded
+                phases[p][f"{role}:weights"] = _shard(w - 2 * adapter, tp) + _shard(2 * adapter, n)
             else:
                 phases[p][f"{role}:weights"] = _shard(w, n)
             if roles.offload >= 1:
@@ -119,16 +135,19 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
                   shape.num_layers, n, tp, prefetch_depth, phases, host)
 
     # rollout: KV pool, decode activations and logits for this device's slots
-    seqs = math.ceil(work.rollout_seqs / n)
+    per_seq = work.blocks_per_seq
+    blocks = kv_blocks if kv_blocks is not None else work.kv_reserve_seqs(n) * per_seq
+    concurrent = max(1, min(blocks // per_seq, work.kv_need_seqs()))
+    seqs = math.ceil(concurrent / n)
     phases["rollout"]["rollout_kv:blocks"] = _shard(
-        kv_cache_bytes(shape, work.rollout_seqs, work.seq_len, work.kv_dtype, work.block_size), n)
+        blocks * kv_block_bytes(shape, work.kv_dtype, work.block_size), n)
     phases["rollout"]["activations:decode"] = forward_bytes(shape, seqs, 1)
     phases["rollout"]["activations:logits"] = logits_bytes(shape, seqs, seqs, grad=False)
     if gathers and roles.offload >= 2:
         phases["rollout"]["comm_buffers:gather"] = int((prefetch_depth + 1) * layer_w / tp)
 
     # score and train: activations of one micro batch
-    tokens = work.micro_batch * work.seq_len
+    tokens = work.micro * work.seq_len
     phases["score"]["activations:forward"] = forward_bytes(shape, tokens, tp)
     phases["score"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, False)
     phases["train"]["activations:saved"] = activation_bytes(shape, tokens, work.recompute, tp)

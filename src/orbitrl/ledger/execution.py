@@ -2,7 +2,9 @@
 
 This is what the runtime instantiates: the actor generates (resident one-copy layout,
 tp x pp over the pool) and trains (ZeRO-3 shards, tp inside a node, dp across); frozen roles
-only run inference, from the device or pulled layer by layer from the host.
+only run inference, from the device or pulled layer by layer from the host. When the planner
+replicates a frozen adapter base (it fits once per tp group), every tp group holds the whole
+base, nothing is gathered, and generation runs dp independent tp instances.
 """
 
 from __future__ import annotations
@@ -32,18 +34,33 @@ class RolePlan:
         return d
 
 
-def _layouts(stages, n: int, tp: int) -> dict:
+def _layouts(stages, n: int, tp: int, replicated: bool = False) -> dict:
     dp = max(1, n // tp)
     out = {}
     for s in stages:
-        out[s] = {"tp": tp, "pp": dp, "dp": 1} if s == "generation" else {"tp": tp, "pp": 1, "dp": dp}
+        one_copy = s == "generation" and not replicated
+        out[s] = {"tp": tp, "pp": dp, "dp": 1} if one_copy else {"tp": tp, "pp": 1, "dp": dp}
     return out
 
 
 def execution_plan(shape: ModelShape, strategy: Strategy, roles: RoleOptions, devices: int,
-                   tp: int) -> list[dict]:
-    """One :class:`RolePlan` per role (actor, critic, reference, reward), as dicts."""
-    tier_w = "host (cold layers, prefetched)" if roles.offload >= 2 else "device (sharded)"
+                   tp: int, replicated: bool = False) -> list[dict]:
+    """One :class:`RolePlan` per role (actor, critic, reference, reward), as dicts.
+
+    ``replicated``: the adapter strategy's frozen base is held whole by every tp group
+    (``1/tp`` per device) and never gathered (the planner's choice when it fits).
+    """
+    dp = max(1, devices // tp)
+    rep = replicated and strategy.kind == "adapter" and roles.offload < 2
+    if roles.offload >= 2:
+        tier_w = "host (cold layers, prefetched)"
+    elif rep:
+        tier_w = (f"device (frozen base replicated: whole per tp group of {tp}, {dp} "
+                  f"cop{'y' if dp == 1 else 'ies'}; no gathers; adapters sharded)")
+    elif dp == 1:
+        tier_w = f"device (tp-sharded over {tp}, resident; no gathers)"
+    else:
+        tier_w = f"device (sharded over {devices}, per-layer gathers)"
     if strategy.kind == "adapter":
         precision = f"{strategy.base_dtype} frozen base + bf16 adapters (rank {strategy.adapter_rank})"
     elif strategy.kind == "adamw":
@@ -51,7 +68,7 @@ def execution_plan(shape: ModelShape, strategy: Strategy, roles: RoleOptions, de
     else:
         precision = f"{strategy.weight_dtype} weights, stateless update fused into backward"
     plans = [RolePlan("actor", ("generation", "inference", "training"),
-                      _layouts(("generation", "inference", "training"), devices, tp), precision,
+                      _layouts(("generation", "inference", "training"), devices, tp, rep), precision,
                       tier_w, True, shape.total_params)]
     if roles.critic:
         plans.append(RolePlan("critic", ("inference", "training"),

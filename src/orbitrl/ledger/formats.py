@@ -12,7 +12,9 @@ and the runtime's :class:`orbitrl.model.quant.FrozenLinear` is tested to hold ex
   per ``scaler_block`` absmaxes; per tensor an fp32 mean and the 16-entry fp32 code book:
   ``0.5 + 1 / block + 4 / (block * scaler_block)`` (+ 68 B per tensor).
 - ``int4`` (ours, symmetric group-wise, two codes per byte): ``0.5 + 2 / group`` (a bf16
-  scale per ``group`` values along the input dimension).
+  scale per ``group`` values along the input dimension). The runtime defaults to
+  ``INT4_GROUP`` (32); the planner prices int4 at ``PLANNER_INT4_GROUP`` (128, the layout of
+  GPTQ/AWQ and torchao int4 weight-only checkpoints) unless told another group.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ FORMATS = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
 NF4_BLOCK = 64          # values per absmax (QLoRA, torchao and bitsandbytes default)
 NF4_SCALER_BLOCK = 256  # absmaxes per fp32 factor (torchao default)
 INT4_GROUP = 32         # values per bf16 scale (GGUF Q4_0-sized groups; divides every width)
+# The planner's int4 at scale: the common int4 checkpoints (GPTQ, AWQ, torchao int4
+# weight-only) use groups of 128, i.e. 0.515625 B/param (1.6e12 params -> 0.825 TB). The
+# runtime's own default stays INT4_GROUP; a runtime prediction passes its group explicitly.
+PLANNER_INT4_GROUP = 128
 TYPICAL_IN_FEATURES = 4096  # a row length for per-row overheads when no shape is given
 
 _PLAIN = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -78,6 +84,9 @@ def linear_bytes(fmt: str, out_features: int, in_features: int, *, block: int = 
     raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
 
 
-# The planner's table: bytes per parameter for a typical row length. (Note: the older table in
-# orbitrl.ledger.memory prices "int4" as 0.5 + 1/64, i.e. NF4 without its fp32 factors.)
+# Bytes per parameter for a typical row length, in the runtime's own layouts (int4 at
+# INT4_GROUP): what orbitrl.model.quant stores, checked by its tests.
 PARAM_BYTES = {**{fmt: bytes_per_param(fmt) for fmt in FORMATS}, "fp8": 1.0}
+
+# What the planner prices: the same, except int4 at PLANNER_INT4_GROUP (see above).
+PLANNER_PARAM_BYTES = {**PARAM_BYTES, "int4": bytes_per_param("int4", group=PLANNER_INT4_GROUP)}

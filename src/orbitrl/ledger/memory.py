@@ -11,21 +11,34 @@ Per-parameter bills, by strategy:
   while that layer's backward runs, then the fused update consumes and frees it;
 - ``adapter``: the frozen base in ``base_dtype`` plus LoRA adapters at 16 B each (bf16
   weight and grad, fp32 master and AdamW moments).
+
+int4 is priced at ``Strategy.int4_group`` values per bf16 scale: 128 by default
+(``formats.PLANNER_INT4_GROUP``, the GPTQ/AWQ/torchao layout); a runtime whose int4 uses
+another group (orbitrl's own quantizer defaults to ``formats.INT4_GROUP``) passes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from orbitrl.ledger.formats import PARAM_BYTES as FORMAT_BYTES
+from orbitrl.ledger.formats import PLANNER_INT4_GROUP, PLANNER_PARAM_BYTES, bytes_per_param
 from orbitrl.ledger.kv import blocks_for_tokens, kv_bytes_per_block
 from orbitrl.ledger.models import ModelShape, from_config
 
 STRATEGIES = ("adamw", "stateless", "adapter")
 
-# bytes per parameter of each storage format, scales included: one table, shared with the
-# runtime's frozen-weight formats (int4: group-32 bf16 scales, 0.5625 B; nf4: 0.516 B).
-PARAM_BYTES = FORMAT_BYTES
+# bytes per parameter of each storage format, scales included, as the planner prices them
+# (orbitrl.ledger.formats: int4 with a bf16 scale per 128 values, 0.515625 B; nf4 0.516 B).
+PARAM_BYTES = PLANNER_PARAM_BYTES
+
+DEFAULT_MIN_ROLLOUT_SEQS = 8  # elastic KV: max-length sequences per device that must fit
+
+
+def param_bytes(fmt: str, int4_group: int = PLANNER_INT4_GROUP) -> float:
+    """Bytes per parameter of ``fmt`` (scales included), int4 at ``int4_group``."""
+    if fmt == "int4":
+        return bytes_per_param("int4", group=int4_group)
+    return PARAM_BYTES[fmt]
 
 ADAPTER_BYTES_PER_PARAM = 16  # bf16 weight + bf16 grad + fp32 master + fp32 m and v
 
@@ -36,6 +49,8 @@ class Strategy:
 
     ``weight_dtype``/``grad_dtype`` apply to full-parameter strategies; ``base_dtype`` to the
     frozen base of ``adapter``. ``offload_optimizer`` keeps master weights and moments on the host.
+    ``int4_group``: values per bf16 scale of an int4 base (128 by default; pass
+    ``formats.INT4_GROUP`` to predict orbitrl's own default int4 layout).
     """
 
     kind: str = "stateless"
@@ -44,6 +59,7 @@ class Strategy:
     weight_dtype: str = "bf16"
     grad_dtype: str = "bf16"
     offload_optimizer: bool = False
+    int4_group: int = PLANNER_INT4_GROUP
 
     def __post_init__(self):
         if self.kind not in STRATEGIES:
@@ -51,6 +67,17 @@ class Strategy:
         for f in ("base_dtype", "weight_dtype", "grad_dtype"):
             if getattr(self, f) not in PARAM_BYTES:
                 raise ValueError(f"unknown {f} {getattr(self, f)!r}")
+        if self.int4_group <= 0:
+            raise ValueError("int4_group must be positive")
+
+    @property
+    def stored_dtype(self) -> str:
+        """The format of the policy's (frozen or trained) weights as stored."""
+        return self.base_dtype if self.kind == "adapter" else self.weight_dtype
+
+    def bytes_per_param(self, fmt: str | None = None) -> float:
+        """Bytes per parameter of ``fmt`` (default: the stored weights) under this strategy."""
+        return param_bytes(fmt or self.stored_dtype, self.int4_group)
 
 
 @dataclass(frozen=True)
@@ -59,9 +86,15 @@ class Workload:
 
     Args:
         prompt_len, completion_len: tokens; completion_len is the cap (KV is sized for it).
-        rollout_seqs: sequences decoding at once across the whole cluster (KV pool size).
-        micro_batch: sequences per device per forward/backward micro step.
-        samples_per_step: sequences trained per optimizer step (sets step time).
+        rollout_seqs: sequences decoding at once across the whole cluster, when the run needs
+            exactly that many (the KV for them must fit). ``None`` (default): the KV pool is
+            elastic, as the runtime sizes it: whatever memory the other terms leave, at least
+            ``min_rollout_seqs`` max-length sequences per device, at most what the step uses
+            (``samples_per_step`` sequences at once).
+        micro_batch: sequences per device (tp group) per forward/backward micro step,
+            packed: a micro step holds ``micro_batch * seq_len`` tokens. 0 (default): auto,
+            the planner picks it (see ``orbitrl.ledger.plan``); plain callers get 1.
+        samples_per_step: sequences of one RL step (sets step time and the KV the step needs).
         kv_dtype: KV storage (bf16, fp8: half the bytes); block_size: tokens per KV block.
         recompute: per-layer activation checkpointing (keeps one residual per layer, redoes
             the layer in backward: about 4/3 the compute).
@@ -70,17 +103,43 @@ class Workload:
 
     prompt_len: int = 512
     completion_len: int = 1536
-    rollout_seqs: int = 256
-    micro_batch: int = 1
+    rollout_seqs: int | None = None
+    micro_batch: int = 0
     samples_per_step: int = 512
     kv_dtype: str = "bf16"
     block_size: int = 16
     recompute: bool = True
     logit_chunk: int = 1024
+    min_rollout_seqs: int = DEFAULT_MIN_ROLLOUT_SEQS
 
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.completion_len
+
+    @property
+    def micro(self) -> int:
+        """Sequences per micro step (``micro_batch``, or 1 where left to auto)."""
+        return self.micro_batch or 1
+
+    @property
+    def elastic_kv(self) -> bool:
+        return self.rollout_seqs is None
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """KV blocks of one max-length (prompt + completion cap) sequence."""
+        return blocks_for_tokens(self.seq_len, self.block_size)
+
+    def kv_need_seqs(self) -> int:
+        """Concurrent sequences the workload can use: the fixed count, or the whole step."""
+        return self.rollout_seqs or self.samples_per_step
+
+    def kv_reserve_seqs(self, devices: int) -> int:
+        """Concurrent max-length sequences that must fit: the fixed count, or the elastic
+        minimum (``min_rollout_seqs`` per device, no more than the step needs)."""
+        if self.rollout_seqs:
+            return self.rollout_seqs
+        return max(1, min(self.min_rollout_seqs * devices, self.samples_per_step))
 
 
 @dataclass(frozen=True)
@@ -106,9 +165,9 @@ def state_bytes(shape: ModelShape, strategy: Strategy) -> StateBytes:
     p = shape.total_params
     if strategy.kind == "adapter":
         a = shape.adapter_params(strategy.adapter_rank)
-        return StateBytes(weights=int(p * PARAM_BYTES[strategy.base_dtype]) + 2 * a, grads=2 * a,
+        return StateBytes(weights=int(p * strategy.bytes_per_param()) + 2 * a, grads=2 * a,
                           master=4 * a, optimizer=8 * a, layer_grad=0)
-    w = int(p * PARAM_BYTES[strategy.weight_dtype])
+    w = int(p * strategy.bytes_per_param())
     g = int(p * PARAM_BYTES[strategy.grad_dtype])
     if strategy.kind == "adamw":
         return StateBytes(weights=w, grads=g, master=4 * p, optimizer=8 * p, layer_grad=0)
@@ -163,25 +222,36 @@ def logits_bytes(shape: ModelShape, tokens: int, chunk: int, grad: bool) -> int:
     return min(tokens, chunk) * shape.vocab * 4 * (2 if grad else 1)
 
 
+def kv_block_bytes(shape: ModelShape, kv_dtype: str, block_size: int = 16) -> int:
+    """One whole KV block (``block_size`` tokens, all layers, K and V; fp8 with its scales)."""
+    scale = 4 if kv_dtype == "fp8" else 0
+    return kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                              block_size, kv_dtype, scale)
+
+
 def kv_cache_bytes(shape: ModelShape, seqs: int, seq_len: int, kv_dtype: str,
                    block_size: int = 16) -> int:
     """Paged KV for ``seqs`` sequences of up to ``seq_len`` tokens (whole blocks)."""
-    scale = 4 if kv_dtype == "fp8" else 0
-    block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                               block_size, kv_dtype, scale)
-    return seqs * blocks_for_tokens(seq_len, block_size) * block
+    return seqs * blocks_for_tokens(seq_len, block_size) * kv_block_bytes(shape, kv_dtype,
+                                                                           block_size)
 
 
 def predict_peak(model, strategy: Strategy | str, workload: Workload | None = None,
-                 devices: int = 1, prefetch_depth: int = 0) -> dict:
+                 devices: int = 1, prefetch_depth: int = 0, kv_blocks: int | None = None) -> dict:
     """Per-phase peak bytes on one device: what the runtime compares to its measured peak.
 
     Args:
         model: a :class:`ModelShape` or a Hugging Face ``config.json`` dict.
         strategy: a :class:`Strategy` or its kind (``adamw``, ``stateless``, ``adapter``).
-        workload: the batch shape (``rollout_seqs`` counts sequences on this device set).
+            For an int4 base pass the group the runtime quantized with (``int4_group``).
+        workload: the batch shape: ``rollout_seqs`` counts sequences decoding at once on this
+            device set (left ``None``, the KV term is the elastic minimum,
+            ``min_rollout_seqs`` per device), ``micro_batch`` the sequences per
+            forward/backward (0 counts as 1).
         devices: devices the state is sharded over (1 for a single-process CPU run).
         prefetch_depth: layers gathered ahead (0: nothing gathered on one device).
+        kv_blocks: the KV pool the engine actually allocated, in whole blocks of
+            ``workload.block_size`` tokens (overrides the count from ``rollout_seqs``).
     Returns:
         ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
     """
@@ -189,7 +259,7 @@ def predict_peak(model, strategy: Strategy | str, workload: Workload | None = No
     shape = model if isinstance(model, ModelShape) else from_config(model)
     strat = strategy if isinstance(strategy, Strategy) else Strategy(strategy)
     terms = phase_terms(shape, strat, workload or Workload(), devices=devices,
-                        prefetch_depth=prefetch_depth)
+                        prefetch_depth=prefetch_depth, kv_blocks=kv_blocks)
     out = {phase: sum(t.values()) for phase, t in terms.items()}
     out["peak"] = max(out.values())
     out["terms"] = terms

@@ -88,6 +88,26 @@ def render(doc: dict) -> str:
             f"{c['min_devices'] if c['min_devices'] is not None else 'none'}"]
     if c.get("proposal"):
         head.append(f"proposal: {c['proposal']['message']}")
+    mb = c["micro_batch"]
+    head.append(f"layout: tp {c['tp']} x dp {c['dp']}; {c['layout']['description']}; micro batch "
+                f"{mb['sequences']} seq ({mb['tokens']:,} packed tokens)"
+                + ((" [auto: fewest that hide the gathers, within memory]"
+                    if c["layout"]["weights"] in ("sharded", "host") else
+                    " [auto: nothing gathered, so the smallest]") if mb["auto"] else ""))
+    kv = c["kv_pool"]
+    if kv:
+        what = ("fixed by --rollout-seqs" if kv["mode"] != "elastic" else
+                "elastic: the memory the rollout phase leaves, up to the step's need"
+                if c["fits"] else "elastic, at its reserve: the run does not fit")
+        head.append(f"rollout KV pool ({what}): {_gb(kv['bytes_per_device'])} GB per device, "
+                    f"{kv['blocks']:,} blocks of {kv['block_tokens']} tokens, holds "
+                    f"{kv['concurrent_seqs']:,} concurrent {kv['seq_len']}-token sequences "
+                    f"({kv['seqs_per_device']:.1f} per device; step needs {kv['need_seqs']:,}, "
+                    f"must fit {kv['reserve_seqs']:,})")
+    node = c["cluster_memory_bytes"]
+    head.append(f"static (non-KV) peak: {_gb(c['static_per_device_bytes'])} GB per device, "
+                f"{_gb(c['static_total_bytes'])} GB over all devices = "
+                f"{100 * c['static_total_bytes'] / node:.1f}% of {node / GB:,.0f} GB")
     st = c["state_bytes"]
     head.append(f"model state (whole): {st['total'] / 1e12:,.3f} TB = weights "
                 f"{_gb(st['weights'])} + grads {_gb(st['grads'])} + master {_gb(st['master'])} + "
