@@ -24,8 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from orbitrl.errors import OrbitError
-from orbitrl.model.lora import (LoRALinear, apply_lora, candidate_linears, lora_modules,
-                                match_targets)
+from orbitrl.model.lora import apply_lora, candidate_linears, lora_modules, match_targets
 from orbitrl.model.weights import save_pretrained
 
 CONFIG_NAME = "adapter_config.json"
@@ -182,10 +181,11 @@ def load_adapters(model: nn.Module, path: str | Path, adapter_dtype="float32") -
                 want = (r, fin) if ab == "A" else (fout, r)
                 t = sf.get_tensor(key)
                 if tuple(t.shape) != want:
-                    what = "rank" if (t.shape[0] if ab == "A" else t.shape[-1]) != r else "shape"
+                    got_r = t.shape[0] if ab == "A" else t.shape[-1]
+                    why = (f"its rank {got_r} is not r={r} of {CONFIG_NAME}" if got_r != r
+                           else f"{mod!r} is [{fout}, {fin}] in this base")
                     raise OrbitError(f"{wfile}: tensor {key!r} has shape {tuple(t.shape)}, "
-                                     f"expected {want} (r={r} from {CONFIG_NAME}; {what} "
-                                     "does not fit the base)")
+                                     f"expected {want}: {why}")
                 tensors[(mod, ab)] = t
     except SafetensorError as e:
         raise OrbitError(f"{wfile}: unreadable safetensors file ({e})") from None
@@ -214,4 +214,4 @@ def save_merged(model: nn.Module, out_dir: str | Path, dtype=None, tokenizer=Non
 
 
 __all__ = ["save_adapters", "load_adapters", "save_merged", "read_adapter_config",
-           "peft_targets", "LoRALinear"]
+           "peft_targets"]

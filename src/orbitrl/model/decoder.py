@@ -7,6 +7,7 @@ and PEFT adapter names map one to one (see ``weights.py``). Projections are plai
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -123,6 +124,9 @@ class Decoder(nn.Module):
     Attributes:
         recompute: recompute each decoder layer's activations in backward (saves the layer
             inputs only); used when training.
+        offload_activations: with ``recompute``, keep those saved layer inputs in (pinned)
+            host memory until backward needs them (``torch.autograd.graph.save_on_cpu``);
+            a no-op when the model already lives on the host.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -134,6 +138,7 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg)
         self.recompute = False
+        self.offload_activations = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_ids: torch.Tensor | None = None, attn: AttentionBackend | None = None,
@@ -157,9 +162,15 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         masks = _Masks(seq_ids, positions)
+        offload = (self.offload_activations and x.device.type != "cpu"
+                   and torch.is_grad_enabled())
         for layer in self.model.layers:
             if self.recompute and torch.is_grad_enabled() and attn is None:
-                x = checkpoint(layer, x, cos, sin, masks, use_reentrant=False)
+                # checkpoint saves the layer inputs via save_for_backward, outside its own
+                # hooks, so save_on_cpu moves exactly those to the host
+                with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload \
+                        else nullcontext():
+                    x = checkpoint(layer, x, cos, sin, masks, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, masks, attn)
         x = self.model.norm(x)

@@ -143,7 +143,7 @@ def match_targets(names: Iterable[str], targets: str | Sequence[str],
             try:
                 rx = re.compile(pat[3:])
             except re.error as e:
-                raise OrbitError(f"{key}: bad regular expression {pat!r} ({e})") from None
+                raise OrbitError(f"{key}: bad regular expression '{pat}' ({e})") from None
             hits = [n for n in names if rx.fullmatch(n)]
         elif any(c in pat for c in "*?["):
             hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
@@ -151,7 +151,7 @@ def match_targets(names: Iterable[str], targets: str | Sequence[str],
             hits = [n for n in names if n == pat or n.endswith("." + pat)]
         if not hits:
             leaves = sorted({n.rpartition(".")[2] for n in names})
-            raise OrbitError(f"{key}: pattern {pat!r} matches no linear layer (names look like "
+            raise OrbitError(f"{key}: pattern '{pat}' matches no linear layer (names look like "
                              f"{names[0] if names else '?'!r}; leaf names: {', '.join(leaves)})")
         chosen.update(hits)
     return [n for n in names if n in chosen]
@@ -182,8 +182,8 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
         p.requires_grad_(False)
     for name in names:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child,
-                LoRALinear(cands[name], rank, alpha, dropout, adapter_dtype, base_format))
+        mod = LoRALinear(cands[name], rank, alpha, dropout, adapter_dtype, base_format)
+        setattr(model.get_submodule(parent), child, mod.train(model.training))
     return names
 
 
