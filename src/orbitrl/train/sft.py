@@ -54,23 +54,27 @@ def sft_loss(model: Decoder, batch: list[tuple[list[int], list[int]]]) -> torch.
     return F.cross_entropy(logits[idx].float(), tgt)
 
 
-def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None) -> list[float]:
-    """AdamW with warmup + cosine decay; returns the loss per step."""
+def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None, start: int = 0,
+              stop: int | None = None) -> list[float]:
+    """AdamW with warmup + cosine decay over ``cfg.steps``; runs steps [start, stop) of that
+    schedule (so a caller can evaluate between segments); returns the loss per step."""
     rng = random.Random(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    def lr_at(s):
+        return cfg.lr * min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+
     model.train()
     losses = []
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps if stop is None else stop):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
         batch = rng.sample(pairs, min(cfg.batch_size, len(pairs)))
         loss = sft_loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
-        sched.step()
         losses.append(loss.item())
         if progress is not None:
             progress(step, loss.item())

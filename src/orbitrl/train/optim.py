@@ -1,0 +1,406 @@
+"""Stateless optimizers fused into backward: no moments, no full gradient buffer.
+
+Each parameter is updated inside its ``register_post_accumulate_grad_hook`` the moment its
+gradient is complete, and the gradient is freed right there, so at most one layer's
+gradients exist at any time. ``FusedSGD`` is plain SGD; ``FusedAdaLomo`` keeps an
+Adafactor-style factored second moment (one row and one column vector per matrix, no first
+moment) and normalises each tensor's update (AdaLomo, Lv et al. 2023).
+
+Both are drop-in ``torch.optim.Optimizer`` objects (param_groups, lr schedulers,
+state_dict) driven by ``opt.step(closure)``, where ``closure`` runs forward + backward and
+returns the loss (torch's LBFGS convention). They raise ``OrbitError`` on options they
+cannot honour.
+
+Global gradient-norm clipping (``max_grad_norm``, default 0.3) under a fused update:
+the norm of the whole gradient is only known after backward ends, but the update of the
+first parameters happens in the middle of it. Two modes:
+
+- ``two_pass=True`` (default, exact): pass 1 runs the closure with hooks that only add each
+  gradient's squared norm to a running sum and free it; the optimizer then knows the exact
+  global norm (and whether the loss or any gradient is non-finite), and pass 2 runs the
+  closure again and applies ``g * min(1, max_norm / (norm + 1e-6))`` -- the same factor as
+  ``torch.nn.utils.clip_grad_norm_``. A non-finite loss or gradient found in pass 1 skips
+  pass 2: the step is counted in ``stats.skipped`` and no parameter changes. Cost: one
+  extra forward + backward per step (measured by ``benchmarks/bench_training_memory.py``;
+  ``stats.measure_s``/``apply_s`` record it per run). The RNG state is replayed so both
+  passes see the same dropout/sampling.
+- ``two_pass=False`` (one pass, approximate): the clip factor comes from the previous
+  step's measured norm (the first step runs two-pass to obtain one). It cannot undo updates
+  already applied earlier in the same backward, so a non-finite gradient cannot leave the
+  parameters unchanged; it therefore requires ``nonfinite="stop"``: updates stop at the
+  first non-finite gradient, the step is counted in ``stats.partial``, and restoring the
+  last good state is the caller's job (the RL guard does this).
+
+Gradient accumulation (``accumulation_steps=k``): summing micro-batch gradients would need
+the full gradient buffer that a fused update exists to avoid. Here each micro-batch's
+``step(closure)`` applies its own update with learning rate ``lr / k``, clipped by that
+micro-batch's own norm: over k micro-batches the update is ``lr * mean_i clip(g_i)``
+(equal to the accumulated update to first order in lr; later micro-batches see the
+weights after the earlier ones). ``stats.steps`` counts optimizer steps (every k
+micro-batches), so a scheduler stepped every ``k`` calls behaves as with accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from orbitrl.errors import OrbitError
+
+
+@dataclass
+class FusedStats:
+    micro_steps: int = 0      # step(closure) calls that applied an update
+    steps: int = 0            # optimizer steps = micro_steps // accumulation_steps
+    skipped: int = 0          # non-finite loss/grad: nothing applied
+    partial: int = 0          # one-pass only: non-finite grad after some updates applied
+    last_grad_norm: float = float("nan")
+    last_clip_coef: float = 1.0
+    backward_passes: int = 0
+    measure_s: float = 0.0    # seconds spent in norm-measuring passes (the clipping cost)
+    apply_s: float = 0.0      # seconds spent in update-applying passes
+
+
+_REFUSED_TORCH_FLAGS = ("foreach", "fused", "differentiable", "capturable")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement ``_update(p, g, group, coef, lr)`` in fp32.
+
+    Args (shared by subclasses):
+        max_grad_norm: global gradient-norm clip (None disables clipping; non-finite
+            detection still runs in two-pass mode).
+        two_pass: exact clipping and atomic skip of non-finite steps (see module doc).
+        nonfinite: "skip" (two-pass only) or "stop" (one-pass: stop updating, count partial).
+        accumulation_steps: micro-batches per optimizer step (lr / k per micro-batch).
+    """
+
+    def __init__(self, params, defaults, *, max_grad_norm: float | None = 0.3,
+                 two_pass: bool = True, nonfinite: str = "skip",
+                 accumulation_steps: int = 1):
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise OrbitError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if nonfinite not in ("skip", "stop"):
+            raise OrbitError(f"nonfinite must be 'skip' or 'stop', got {nonfinite!r}")
+        if not two_pass and nonfinite == "skip":
+            raise OrbitError("one-pass fused updates cannot leave parameters unchanged on a "
+                             "non-finite gradient (earlier parameters are already updated "
+                             "in that backward); use two_pass=True, or nonfinite='stop' and "
+                             "restore the last good state on stats.partial")
+        if two_pass and nonfinite == "stop":
+            raise OrbitError("nonfinite='stop' is the one-pass policy; two_pass=True always "
+                             "skips the whole step")
+        if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+            raise OrbitError(f"accumulation_steps must be an integer >= 1, got "
+                             f"{accumulation_steps}")
+        self.max_grad_norm = max_grad_norm
+        self.two_pass = two_pass
+        self.nonfinite = nonfinite
+        self.accumulation_steps = int(accumulation_steps)
+        self.stats = FusedStats()
+        self._phase = "idle"
+        self._sq: torch.Tensor | None = None
+        self._coef = 1.0
+        self._bad = False
+        self._prev_norm: float | None = None
+        self._group_of: dict[int, dict] = {}
+        self._handles = []
+        super().__init__(params, defaults)
+
+    # -- wiring -----------------------------------------------------------------------
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if not p.requires_grad:
+                raise OrbitError("a fused optimizer was given a parameter with "
+                                 "requires_grad=False; pass only trainable parameters")
+            self._group_of[id(p)] = group
+            self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def remove_hooks(self):
+        """Detach from the parameters (e.g. before switching to another optimizer)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- the hook: runs inside backward, once per parameter per backward -----------------
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor):
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse:
+            raise OrbitError("fused optimizers do not support sparse gradients")
+        phase = self._phase
+        if phase == "idle":
+            raise OrbitError("backward ran outside optimizer.step(closure): a fused optimizer "
+                             "updates inside backward, so call opt.step(closure) where "
+                             "closure does forward + backward and returns the loss")
+        if phase == "measure":
+            self._sq += g.float().pow(2).sum()
+        elif phase == "apply":
+            self._update(p, g, self._group_of[id(p)], self._coef, self._lr(p))
+        else:  # "oneshot": clip from the previous norm, check each gradient before use
+            sq = g.float().pow(2).sum()
+            self._sq += sq
+            if not self._bad and not bool(torch.isfinite(sq)):
+                self._bad = True
+            if not self._bad:
+                self._update(p, g, self._group_of[id(p)], self._coef, self._lr(p))
+        p.grad = None
+
+    def _lr(self, p) -> float:
+        return self._group_of[id(p)]["lr"] / self.accumulation_steps
+
+    def _clip_coef(self, norm: float) -> float:
+        if self.max_grad_norm is None:
+            return 1.0
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+    def _run(self, closure, phase: str):
+        self._phase = phase
+        t0 = time.perf_counter()
+        try:
+            with torch.enable_grad():
+                loss = closure()
+        finally:
+            self._phase = "idle"
+        dt = time.perf_counter() - t0
+        self.stats.backward_passes += 1
+        if phase == "measure":
+            self.stats.measure_s += dt
+        else:
+            self.stats.apply_s += dt
+        return loss
+
+    # -- the public step ----------------------------------------------------------------
+    def step(self, closure=None):
+        """Run ``closure`` (forward + backward, returns the loss) with the fused update.
+
+        Returns:
+            The loss of the (last) pass, as returned by the closure.
+        """
+        if closure is None:
+            raise OrbitError("fused optimizers need step(closure): the update happens inside "
+                             "backward, so the optimizer must run it")
+        dev = self._device()
+        self._sq = torch.zeros((), dtype=torch.float32, device=dev)
+        if self.two_pass or self._prev_norm is None:
+            rng = _rng_state()
+            loss = self._run(closure, "measure")
+            norm = float(self._sq.sqrt())
+            self.stats.last_grad_norm = norm
+            if not (_finite(loss) and math.isfinite(norm)):
+                self.stats.skipped += 1
+                return loss
+            self._coef = self._clip_coef(norm)
+            _set_rng_state(rng)
+            self._sq = torch.zeros((), dtype=torch.float32, device=dev)
+            loss = self._run(closure, "apply")
+        else:
+            self._coef = self._clip_coef(self._prev_norm)
+            self._bad = False
+            loss = self._run(closure, "oneshot")
+            norm = float(self._sq.sqrt())
+            self.stats.last_grad_norm = norm
+            if self._bad or not _finite(loss):
+                self.stats.partial += 1
+                return loss
+        self._prev_norm = norm
+        self.stats.last_clip_coef = self._coef
+        self.stats.micro_steps += 1
+        self.stats.steps = self.stats.micro_steps // self.accumulation_steps
+        return loss
+
+    def _device(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none=True)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["fused"] = {"stats": asdict(self.stats), "prev_norm": self._prev_norm}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        fused = state_dict.pop("fused", None)
+        super().load_state_dict(state_dict)
+        if fused:
+            self.stats = FusedStats(**fused["stats"])
+            self._prev_norm = fused["prev_norm"]
+
+    def _update(self, p, g, group, coef, lr):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def _finite(loss) -> bool:
+    if isinstance(loss, torch.Tensor):
+        return bool(torch.isfinite(loss.detach()).all())
+    return loss is None or math.isfinite(float(loss))
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _refuse_torch_flags(kw: dict, name: str):
+    for k, v in kw.items():
+        if k in _REFUSED_TORCH_FLAGS and v not in (None, False):
+            raise OrbitError(f"{name}: {k}={v!r} is not supported (the update is already "
+                             "fused into backward, one parameter at a time)")
+        if k not in _REFUSED_TORCH_FLAGS:
+            raise OrbitError(f"{name}: unknown option {k!r}")
+
+
+def _write(p: torch.Tensor, new_fp32: torch.Tensor):
+    """Store an fp32 result into p (a no-op when it was computed in place on fp32 p).
+    Low-precision p is rounded to nearest (no stochastic rounding)."""
+    if new_fp32 is not p:
+        p.copy_(new_fp32)
+
+
+class FusedSGD(FusedOptimizer):
+    """Plain SGD (coupled weight decay, as ``torch.optim.SGD``) fused into backward.
+
+    Args:
+        params: trainable parameters or param groups.
+        lr: learning rate (about 1/10 to 1/20 of AdamW's at scale).
+        weight_decay: L2 term added to the (clipped) gradient, like ``torch.optim.SGD``.
+        momentum, dampening, nesterov, maximize: accepted only at their stateless defaults
+            (momentum would be a full-size state); anything else raises.
+        max_grad_norm, two_pass, nonfinite, accumulation_steps: see ``FusedOptimizer``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.0,
+                 momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+                 maximize: bool = False, max_grad_norm: float | None = 0.3,
+                 two_pass: bool = True, nonfinite: str = "skip",
+                 accumulation_steps: int = 1, **torch_flags):
+        _refuse_torch_flags(torch_flags, "FusedSGD")
+        if momentum or dampening or nesterov:
+            raise OrbitError("FusedSGD is stateless: momentum/dampening/nesterov would need a "
+                             "full-size buffer per parameter; use FusedAdaLomo or AdamW")
+        if maximize:
+            raise OrbitError("FusedSGD: maximize=True is not supported; negate the loss")
+        if not lr > 0 or weight_decay < 0:
+            raise OrbitError(f"FusedSGD: need lr > 0 and weight_decay >= 0 (got {lr}, "
+                             f"{weight_decay})")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay),
+                         max_grad_norm=max_grad_norm, two_pass=two_pass,
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
+
+    def _update(self, p, g, group, coef, lr):
+        d = g.float() * coef if coef != 1.0 else g.float()  # may alias g: freed after
+        pf = p.float()  # p itself when fp32
+        if group["weight_decay"]:
+            d = d.add(pf, alpha=group["weight_decay"])
+        _write(p, pf.add_(d, alpha=-lr))
+
+
+class FusedAdaLomo(FusedOptimizer):
+    """AdaLomo: factored second moment + per-tensor update normalisation, fused into backward.
+
+    Per matrix W [m, n] with clipped gradient g: row r [m] and column c [n] running means of
+    g^2 + eps1 (decay ``beta2_t = 1 - t^decay_rate``), v = r c^T / mean(r), u = g / sqrt(v);
+    per tensor u /= max(1, RMS(u) / clip_threshold); step size lr * max(eps2, RMS(W)).
+    Vectors keep a full (tiny) second moment. No first moment.
+
+    Args:
+        lr: relative step size (scaled by each tensor's RMS).
+        eps: (eps1 added to g^2, eps2 floor of the parameter-RMS scale).
+        decay_rate: beta2 schedule exponent (AdaLomo/Adafactor default -0.8).
+        clip_threshold: per-tensor update RMS cap.
+        weight_decay: decoupled, multiplies W by (1 - lr_t * weight_decay).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, *, eps=(1e-30, 1e-3),
+                 decay_rate: float = -0.8, clip_threshold: float = 1.0,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = 0.3,
+                 two_pass: bool = True, nonfinite: str = "skip",
+                 accumulation_steps: int = 1, **torch_flags):
+        _refuse_torch_flags(torch_flags, "FusedAdaLomo")
+        if not lr > 0 or weight_decay < 0 or not clip_threshold > 0 or decay_rate >= 0:
+            raise OrbitError("FusedAdaLomo: need lr > 0, weight_decay >= 0, "
+                             "clip_threshold > 0, decay_rate < 0")
+        super().__init__(params, dict(lr=lr, eps=tuple(eps), decay_rate=decay_rate,
+                                      clip_threshold=clip_threshold,
+                                      weight_decay=weight_decay),
+                         max_grad_norm=max_grad_norm, two_pass=two_pass,
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
+
+    def _update(self, p, g, group, coef, lr):
+        st = self.state[p]
+        st["step"] = t = st.get("step", 0) + 1
+        beta2 = 1.0 - math.pow(t, group["decay_rate"])
+        eps1, eps2 = group["eps"]
+        # at most one gradient-sized temporary alive at a time (embeddings are large)
+        g = g.float() * coef if coef != 1.0 else g.float()
+        sq = (g * g).add_(eps1)
+        if g.dim() >= 2:
+            if "row" not in st:
+                st["row"] = torch.zeros(g.shape[:-1], dtype=torch.float32, device=g.device)
+                st["col"] = torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=torch.float32,
+                                        device=g.device)
+            row, col = st["row"], st["col"]
+            row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1 - beta2)
+            col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
+            del sq
+            r = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            u = g.mul(r).mul_(col.unsqueeze(-2).rsqrt())
+        else:
+            if "sq" not in st:
+                st["sq"] = torch.zeros_like(g)
+            v = st["sq"]
+            v.mul_(beta2).add_(sq, alpha=1 - beta2)
+            del sq
+            u = v.rsqrt().mul_(g)
+        u.div_((_rms(u) / group["clip_threshold"]).clamp(min=1.0))
+        pf = p.float()
+        lr_t = lr * max(eps2, float(_rms(pf)))
+        if group["weight_decay"]:
+            pf.mul_(1 - lr_t * group["weight_decay"])
+        _write(p, pf.add_(u, alpha=-lr_t))
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.norm(2) / math.sqrt(x.numel())
+
+
+OPTIMIZERS = ("adamw", "sgd", "adalomo")
+
+
+def build_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
+    """The optimizer the trainer asks for by name.
+
+    "adamw" is plain ``torch.optim.AdamW`` (adapters, and the full-parameter comparison:
+    the caller clips with ``torch.nn.utils.clip_grad_norm_`` and calls ``step()``);
+    "sgd" / "adalomo" are the fused stateless ones (call ``step(closure)``).
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **kw)
+    if name == "sgd":
+        return FusedSGD(params, lr=lr, **kw)
+    if name == "adalomo":
+        return FusedAdaLomo(params, lr=lr, **kw)
+    raise OrbitError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+
+
+def is_fused(opt) -> bool:
+    return isinstance(opt, FusedOptimizer)

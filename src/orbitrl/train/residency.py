@@ -1,0 +1,340 @@
+"""Parameter residency in tiers: hot (on the compute device), warm (being prefetched),
+cold (host memory, or disk through memory-mapped safetensors for a frozen base).
+
+``LayerResidency`` hooks the decoder layers. In forward, layer i is made hot before it runs
+and layers i+1..i+k are prefetched (k >= 2: the layer computing plus k buffers filling;
+on CUDA the copies run on a side stream and the compute stream waits on an event only
+when it needs the layer); a layer is released after use. In backward (which needs
+``model.recompute = True``: the recomputed layer reads its weights again, nothing saved
+refers to them) the grad of layer i's output arriving means layer i is about to run its
+backward: it is made hot and layers i-1..i-k are prefetched; layers whose backward is done
+are released -- for trainable layers only after every parameter's gradient hook (the fused
+optimizer's update) has run, and their updated hot copy is written back to the cold copy.
+The embeddings, final norm and lm_head stay hot.
+
+Everything is device-agnostic; on a CPU-only host "device" and "host" are the same memory,
+so the behaviour is checked through ``stats`` (bytes per tier over a step, prefetch hits
+and misses, peak resident layers) and, with ``copy_on_host=True``, hot copies are distinct
+buffers so the fetch / write-back path runs for real. A disk-cold frozen base
+(``from_pretrained``) keeps no layer in host memory between uses: a model larger than the
+host budget runs a forward holding only 1 + k layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from orbitrl.errors import OrbitError
+from orbitrl.model.config import ModelConfig
+from orbitrl.model.decoder import Decoder
+from orbitrl.model.weights import hf_to_ours, to_dtype, weight_files
+
+_LAYER_PREFIX = "model.layers."
+
+
+@dataclass
+class TierStats:
+    hits: int = 0              # layer needed and already hot or warm
+    misses: int = 0            # layer needed while cold: a blocking fetch
+    fetches: int = 0
+    releases: int = 0
+    bytes_from_host: int = 0   # cold(host) -> device
+    bytes_from_disk: int = 0   # cold(disk) -> device
+    bytes_written_back: int = 0  # updated trainable layers, device -> host
+    peak_resident_layers: int = 0  # hot + warm
+    peak_device_bytes: int = 0     # layer bytes hot + warm (+ always-hot non-layer weights)
+    host_bytes: int = 0            # bytes kept in the host tier (cold-host copies)
+    disk_bytes: int = 0            # bytes kept only on disk
+    timeline: list = field(default_factory=list)  # (event, layer, hot, warm, device_bytes)
+
+
+class _Layer:
+    def __init__(self, idx: int, module: nn.Module, shapes: dict | None = None):
+        self.idx, self.module = idx, module
+        self.params = dict(module.named_parameters())  # name -> Parameter
+        shapes = shapes or {n: tuple(p.shape) for n, p in self.params.items()}
+        self.meta = {n: (shapes[n], p.dtype) for n, p in self.params.items()}
+        self.nbytes = sum(torch.Size(shapes[n]).numel() * p.element_size()
+                          for n, p in self.params.items())
+        self.trainable = any(p.requires_grad for p in self.params.values())
+        self.host: dict[str, torch.Tensor] | None = None   # cold copies in host memory
+        self.disk: dict[str, tuple[Path, str]] | None = None  # name -> (file, key)
+        self.hot: dict[str, torch.Tensor] | None = None
+        self.state = "cold"
+        self.event = None
+        self.landed: set[int] = set()
+        self.versions: dict[str, int] = {}  # p._version when made hot: changed = dirty
+
+
+class LayerResidency:
+    """Tiers and prefetch for ``model.model.layers``.
+
+    Args:
+        model: an orbitrl ``Decoder`` whose layers are materialised in host memory (they
+            become the cold tier) -- or built by ``from_pretrained`` (disk tier).
+        prefetch: k, layers fetched ahead of compute (>= 1; 2 or more hides the copy).
+        device: compute device (default: where the model's final norm lives).
+        copy_on_host: on a CPU device, make hot copies distinct buffers (tests the real
+            copy/write-back path; otherwise hot aliases the host copy, zero-copy).
+        keep_timeline: record one tuple per event in ``stats.timeline``.
+    """
+
+    def __init__(self, model: Decoder, *, prefetch: int = 2, device=None,
+                 copy_on_host: bool = False, keep_timeline: bool = True,
+                 _disk: dict | None = None):
+        if prefetch < 1:
+            raise OrbitError(f"prefetch must be >= 1, got {prefetch}")
+        self.model, self.k = model, int(prefetch)
+        self.device = torch.device(device) if device is not None else model.device
+        self.copy = copy_on_host or self.device.type != "cpu"
+        self.keep_timeline = keep_timeline
+        self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+        disk, shapes = _disk if _disk is not None else (None, {})
+        self.layers = [_Layer(i, m, shapes.get(i)) for i, m in enumerate(model.model.layers)]
+        layer_ids = {id(p) for L in self.layers for p in L.params.values()}
+        self.fixed_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                               if id(p) not in layer_ids)
+        self.stats = TierStats()
+        self._handles = []
+        self._in_backward = False
+        pin = self.device.type == "cuda"
+        for L in self.layers:
+            if disk is not None:
+                if L.trainable:
+                    raise OrbitError("disk-cold layers must be frozen (no write-back to disk)")
+                L.disk = disk[L.idx]
+                self.stats.disk_bytes += L.nbytes
+            else:
+                L.host = {n: (p.detach().to("cpu").pin_memory() if pin else p.detach())
+                          for n, p in L.params.items()}
+                self.stats.host_bytes += L.nbytes
+            self._set_params(L, None)
+            m = L.module
+            self._handles += [m.register_forward_pre_hook(self._pre(L)),
+                              m.register_forward_hook(self._post(L))]
+            for p in L.params.values():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p, L=L: L.landed.add(id(p))))
+        self._files: dict[Path, object] = {}
+
+    # -- tier moves ---------------------------------------------------------------------
+    def _set_params(self, L: _Layer, tensors):
+        for n, p in L.params.items():
+            shape, dtype = L.meta[n]
+            p.data = tensors[n] if tensors is not None else torch.empty(0, dtype=dtype,
+                                                                       device=self.device)
+
+    def _read_disk(self, L: _Layer) -> dict:
+        out = {}
+        for n, (f, key) in L.disk.items():
+            h = self._files.get(f)
+            if h is None:
+                h = self._files[f] = safe_open(str(f), framework="pt", device="cpu")
+            t = h.get_tensor(key)
+            out[n] = t.to(L.meta[n][1])
+        self.stats.bytes_from_disk += L.nbytes
+        return out
+
+    def _fetch(self, L: _Layer):
+        """cold -> warm: start the copy (async on CUDA)."""
+        src = self._read_disk(L) if L.disk is not None else L.host
+        if L.disk is None and self.copy:
+            self.stats.bytes_from_host += L.nbytes
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                L.hot = {n: t.to(self.device, non_blocking=True) for n, t in src.items()}
+                L.event = torch.cuda.Event()
+                L.event.record(self.stream)
+        elif self.copy and L.disk is None:
+            L.hot = {n: t.to(self.device, copy=True) for n, t in src.items()}
+        else:
+            L.hot = {n: t.to(self.device) for n, t in src.items()}
+        L.state = "warm"
+        self.stats.fetches += 1
+
+    def _ensure(self, L: _Layer):
+        """Make layer hot (blocking only on a miss or an unfinished async copy)."""
+        if L.state == "cold":
+            self.stats.misses += 1
+            self._fetch(L)
+        else:
+            self.stats.hits += 1
+        if L.state == "warm":
+            if L.event is not None:
+                cur = torch.cuda.current_stream(self.device)
+                cur.wait_event(L.event)
+                for t in L.hot.values():
+                    t.record_stream(cur)
+                L.event = None
+            self._set_params(L, L.hot)
+            L.versions = {n: p._version for n, p in L.params.items()}
+            L.state = "hot"
+
+    def _release(self, L: _Layer):
+        if L.state == "cold":
+            return
+        if L.trainable:
+            for n, p in L.params.items():
+                if p.grad is not None:
+                    raise OrbitError(f"layer {L.idx} {n}: gradient still present when the "
+                                     "layer left the device; tiered trainable layers need a "
+                                     "fused optimizer (orbitrl.train.optim)")
+            dirty = any(p._version != L.versions.get(n) for n, p in L.params.items())
+            if L.state == "hot" and self.copy and dirty:  # e.g. not after a norm-only pass
+                for n, p in L.params.items():
+                    L.host[n].copy_(p.detach())
+                self.stats.bytes_written_back += L.nbytes
+        self._set_params(L, None)
+        L.hot, L.event, L.state = None, None, "cold"
+        L.landed.clear()
+        self.stats.releases += 1
+
+    def _prefetch(self, idxs):
+        for j in idxs:
+            if 0 <= j < len(self.layers) and self.layers[j].state == "cold":
+                self._fetch(self.layers[j])
+
+    def _record(self, event: str, i: int):
+        hot = sum(L.state == "hot" for L in self.layers)
+        warm = sum(L.state == "warm" for L in self.layers)
+        dev = self.fixed_bytes + sum(L.nbytes for L in self.layers if L.state != "cold")
+        s = self.stats
+        s.peak_resident_layers = max(s.peak_resident_layers, hot + warm)
+        s.peak_device_bytes = max(s.peak_device_bytes, dev)
+        if self.keep_timeline:
+            s.timeline.append((event, i, hot, warm, dev))
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _pre(self, L: _Layer):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() != -1:  # recompute inside backward
+                self._ensure(L)
+                return
+            if torch.is_grad_enabled() and not self.model.recompute:
+                raise OrbitError("tiered layers in a forward with gradients need "
+                                 "model.recompute = True (saved activations would refer to "
+                                 "weights that leave the device)")
+            self._in_backward = False
+            self._ensure(L)
+            self._prefetch(range(L.idx + 1, L.idx + 1 + self.k))
+            self._record("forward", L.idx)
+        return hook
+
+    def _post(self, L: _Layer):
+        def hook(module, args, out):
+            if torch._C._current_graph_task_id() != -1:
+                return
+            n = len(self.layers)
+            if torch.is_grad_enabled():
+                out.register_hook(lambda g, i=L.idx: self._backward_event(i))
+                if L.idx >= n - self.k:  # backward starts with these: keep them
+                    return
+            self._release(L)
+        return hook
+
+    def _backward_event(self, i: int):
+        """The gradient of layer i's output is ready: layer i's backward is next."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for L in self.layers[i + 1:]:
+            trainable_ids = {id(p) for p in L.params.values() if p.requires_grad}
+            if L.state != "cold" and (not L.trainable or trainable_ids <= L.landed):
+                self._release(L)
+        self._ensure(self.layers[i])
+        self._prefetch(range(i - 1, i - 1 - self.k, -1))
+        self._record("backward", i)
+
+    def _end_backward(self):
+        for L in self.layers:
+            self._release(L)
+        self._in_backward = False
+        self._record("end", -1)
+
+    # -- public -----------------------------------------------------------------------------
+    def release_all(self):
+        """Send every layer back to its cold tier (after a no-grad forward, say)."""
+        for L in self.layers:
+            self._release(L)
+
+    def reset_stats(self):
+        host, disk = self.stats.host_bytes, self.stats.disk_bytes
+        self.stats = TierStats(host_bytes=host, disk_bytes=disk)
+
+    def detach(self):
+        """Remove the hooks and make every layer resident again (host tier only)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for L in self.layers:
+            if L.disk is not None:
+                self._set_params(L, self._read_disk(L))
+            else:
+                self._release(L)
+                self._set_params(L, {n: t.to(self.device) for n, t in L.host.items()})
+
+    @classmethod
+    def from_pretrained(cls, path, *, dtype="float32", device="cpu", prefetch: int = 2,
+                        host_budget_bytes: int | None = None, **kw):
+        """A frozen model whose decoder layers stay on disk (memory-mapped safetensors)
+        and are read one layer at a time; embeddings, final norm and lm_head are loaded.
+
+        Args:
+            host_budget_bytes: refuse if the resident set (non-layer weights + 1 + k
+                layers) cannot fit in it.
+        Returns:
+            (model, residency)
+        """
+        path, dtype = Path(path), to_dtype(dtype)
+        cfg = ModelConfig.from_dir(path)
+        with torch.device("meta"):
+            model = Decoder(cfg)
+        expected = {n: p for n, p in model.named_parameters()}
+        disk: dict[int, dict] = {i: {} for i in range(cfg.num_layers)}
+        shapes: dict[int, dict] = {i: {} for i in range(cfg.num_layers)}
+        seen = set()
+        for f in weight_files(path):
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    try:
+                        name = hf_to_ours(key)
+                    except KeyError:
+                        raise OrbitError(f"{f}: unexpected weight {key!r}") from None
+                    if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue
+                    if name not in expected:
+                        raise OrbitError(f"{f}: weight {key!r} does not exist in this model")
+                    shape = tuple(sf.get_slice(key).get_shape())
+                    if shape != tuple(expected[name].shape):
+                        raise OrbitError(f"{f}: weight {key!r} has shape {shape}")
+                    seen.add(name)
+                    mod_name, _, leaf = name.rpartition(".")
+                    if name.startswith(_LAYER_PREFIX):
+                        i, rest = name[len(_LAYER_PREFIX):].split(".", 1)
+                        disk[int(i)][rest] = (f, key)
+                        shapes[int(i)][rest] = shape
+                        t = torch.empty(0, dtype=dtype, device=device)  # placeholder
+                    else:
+                        t = sf.get_tensor(key).to(device=device, dtype=dtype)
+                    model.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(
+                        t, requires_grad=False)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            raise OrbitError(f"{path}: checkpoint lacks {len(missing)} weight(s), first "
+                             f"{missing[0]!r}")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        res = cls(model.eval(), prefetch=prefetch, device=device, _disk=(disk, shapes), **kw)
+        if host_budget_bytes is not None:
+            need = res.fixed_bytes + (1 + res.k) * max(L.nbytes for L in res.layers)
+            if need > host_budget_bytes:
+                raise OrbitError(f"host budget {host_budget_bytes} B cannot hold the "
+                                 f"resident set ({need} B: non-layer weights + {1 + res.k} "
+                                 "layers); lower prefetch or raise the budget")
+        return model, res

@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from orbitrl.errors import OrbitError
+from orbitrl.train.logprobs import model_logprobs, naive_token_logprobs, token_logprobs
+
+
+def _case(N=37, H=16, V=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    return h, w, y
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunks", [(16, 5), (101, 37), (7, 64), (1000, 1000)])
+def test_values_and_grads_match_naive(temperature, chunks):
+    vc, tc = chunks
+    h, w, y = _case()
+    y[3] = -100  # ignored position
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
+
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = token_logprobs(h1, w1, y, temperature=temperature, with_entropy=True,
+                             vocab_chunk=vc, token_chunk=tc)
+    ((lp * a).sum() + (ent * b).sum()).backward()
+
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp2, ent2 = naive_token_logprobs(h2, w2, y, temperature)
+    ((lp2 * a).sum() + (ent2 * b).sum()).backward()
+
+    assert lp[3] == 0
+    torch.testing.assert_close(lp, lp2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ent2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_only_logprob_grad_and_only_entropy_grad():
+    h, w, y = _case(N=9, V=33)
+    for which in (0, 1):
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = token_logprobs(h1, w1, y, with_entropy=True, vocab_chunk=8, token_chunk=4)
+        out[which].sum().backward()
+        h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        naive_token_logprobs(h2, w2, y)[which].sum().backward()
+        torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_scoring_no_grad_same_numbers_and_batched_shape():
+    h, w, y = _case(N=24)
+    with torch.no_grad():
+        lp = token_logprobs(h.view(2, 12, -1), w, y.view(2, 12), vocab_chunk=10)
+    assert lp.shape == (2, 12) and not lp.requires_grad
+    torch.testing.assert_close(lp.view(-1), naive_token_logprobs(h, w, y)[0], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_tile_never_vocab_sized(monkeypatch):
+    """No tensor of N x V elements is ever created (forward or backward)."""
+    import orbitrl.train.logprobs as L
+
+    seen = []
+    orig = L._tile
+
+    def spy(h, w, inv_t):
+        z = orig(h, w, inv_t)
+        seen.append(tuple(z.shape))
+        return z
+
+    monkeypatch.setattr(L, "_tile", spy)
+    h, w, y = _case(N=40, V=101)
+    h.requires_grad_()
+    token_logprobs(h, w, y, vocab_chunk=16, token_chunk=8).sum().backward()
+    assert seen and max(a * b for a, b in seen) <= 8 * 16
+
+
+def test_model_logprobs_matches_full_logits(hf_dirs):
+    import orbitrl
+
+    model = orbitrl.load_model(hf_dirs["qwen2"][0])  # tied embeddings
+    ids = torch.randint(0, 97, (2, 11))
+    tgt = torch.cat([ids[:, 1:], torch.full((2, 1), -1)], dim=1)
+    lp, ent = model_logprobs(model, ids, tgt, with_entropy=True, vocab_chunk=13,
+                             temperature=0.9)
+    lp.sum().backward()
+    g1 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(ids) / 0.9
+    ref = torch.log_softmax(logits, -1).gather(-1, tgt.clamp(min=0)[..., None])[..., 0]
+    ref = torch.where(tgt >= 0, ref, torch.zeros_like(ref))
+    ref.sum().backward()
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(g1[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_bad_inputs():
+    h, w, y = _case()
+    with pytest.raises(OrbitError, match="temperature"):
+        token_logprobs(h, w, y, temperature=0)
+    with pytest.raises(OrbitError, match="vocab size"):
+        token_logprobs(h, w, y + 200)
+    with pytest.raises(OrbitError, match="shape"):
+        token_logprobs(h, w[:, :3], y)
