@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ.get("ORBITRL_TEST_THREADS", "2")))
+torch.set_num_threads(int(os.environ.get("ORBITRL_TEST_THREADS", "1")))
 
 # Tiny configs per family: GQA, tied/untied, biases, q/k norm, rope scaling, sliding window.
 FAMILY_CONFIGS = {

@@ -77,7 +77,8 @@ class AlgoSection:
     clip_low: float = 0.1
     clip_high: float = 0.1
     std_norm: bool = True  # False = Dr. GRPO
-    loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                      "seq-mean-token-sum-norm"] = "token-mean"
     seq_level_ratio: bool = False  # GSPO
     dynamic_sampling: bool = False
     overlong: Literal["none", "filter", "shape"] = "none"
@@ -89,8 +90,11 @@ class AlgoSection:
     target_kl: float = 0.05
     tis_cap: float = 2.0
     epochs: int = 1
-    gamma: float = 1.0
-    lam: float = 0.95
+    gamma: float = 1.0  # PPO: GAE discount
+    lam: float = 0.95  # PPO: GAE lambda
+    value_lr: float = 1e-3  # PPO: critic (value head) learning rate
+    value_clip: float = 0.2  # PPO: value clipping range
+    vf_coef: float = 0.5  # PPO: weight of the value loss
     anchor_refresh_steps: int = 200
     anchor_kl_threshold: float = 0.3
     check: bool = False  # assert RL invariants in the loop (KL 0 and ratio 1 at step 0)

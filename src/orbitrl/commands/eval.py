@@ -1,11 +1,74 @@
-"""`orbitrl eval` (not yet available in this release)."""
+"""`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`:
+greedy accuracy (for a data file, ``exact_match`` against its answer field)."""
 
-from orbitrl.errors import OrbitError
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 
 def add_arguments(parser):
-    parser.add_argument("rest", nargs="*", help="(not yet available)")
+    parser.add_argument("--model", default="builtin:tiny-arith", help="HF model directory")
+    parser.add_argument("--adapter", help="PEFT adapter directory to apply")
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--task", help="built-in task (default: arith held-out split)")
+    src.add_argument("--data", help="JSONL/Parquet file or HF dataset directory")
+    parser.add_argument("--prompt-field", default="prompt")
+    parser.add_argument("--answer-field", default="answer")
+    parser.add_argument("--reward", default="exact_match", help="registered reward name")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
+    parser.add_argument("--out", help="write accuracy and per-row results as JSON")
 
 
 def run(args) -> int:
-    raise OrbitError("'orbitrl eval' is not yet available in this release")
+    import torch
+
+    from orbitrl.data.datasets import load_rows, task_rows
+    from orbitrl.engine import Engine, Request, SamplingParams
+    from orbitrl.model import load_model, load_tokenizer
+    from orbitrl.model.builtin import resolve_model_path
+    from orbitrl.rewards import get_reward
+    from orbitrl.rl.evaluate import reward_fields
+
+    torch.set_num_threads(1)
+    path = resolve_model_path(args.model)
+    reward = get_reward(args.reward)
+    if args.data:
+        rows = load_rows(args.data, [args.prompt_field, args.answer_field])
+        source = args.data
+    else:
+        rows = task_rows(args.task or "arith", "heldout")
+        source = f"task {args.task or 'arith'} (held-out split)"
+    if args.limit:
+        rows = rows[:args.limit]
+    model = load_model(path)
+    tok = load_tokenizer(path, model.config.vocab_size)
+    if args.adapter:
+        from orbitrl.model.adapters import load_adapters
+
+        load_adapters(model, args.adapter)
+    engine = Engine(model, tok)
+    prompts = [tok(r[args.prompt_field], add_special_tokens=False)["input_ids"] for r in rows]
+    outs = engine.generate([Request(prompt_ids=p) for p in prompts],
+                           SamplingParams(n=1, max_tokens=args.max_tokens, temperature=0.0))
+    records, total = [], 0.0
+    for r, o in zip(rows, outs):
+        text = o.samples[0].text if o.error is None else ""
+        try:
+            s = float(reward(r[args.prompt_field], text,
+                             **reward_fields(r, args.prompt_field, args.answer_field)))
+        except Exception as e:  # a failing verifier is an error for that row, scored 0
+            s = 0.0
+            text += f"  [reward error: {e}]"
+        total += s
+        records.append({"prompt": r[args.prompt_field], "completion": text,
+                        "answer": r.get(args.answer_field), "score": s,
+                        **({"error": o.error} if o.error else {})})
+    acc = total / max(1, len(rows))
+    print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
+          + (f" + adapter {args.adapter}" if args.adapter else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"accuracy": acc, "n": len(rows),
+                                              "rows": records}, indent=1))
+    return 0

@@ -1,11 +1,50 @@
-"""`orbitrl export` (not yet available in this release)."""
+"""`orbitrl export RUN_DIR --format peft|hf --out DIR`: the run's final policy as PEFT
+adapters or as a merged Hugging Face model directory."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 from orbitrl.errors import OrbitError
 
 
 def add_arguments(parser):
-    parser.add_argument("rest", nargs="*", help="(not yet available)")
+    parser.add_argument("run_dir", help="a run directory written by orbitrl train")
+    parser.add_argument("--format", choices=["peft", "hf"], default="peft")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--dtype", default=None, help="hf export dtype (default: fp32)")
 
 
 def run(args) -> int:
-    raise OrbitError("'orbitrl export' is not yet available in this release")
+    from orbitrl.config import load_config
+
+    run_dir = Path(args.run_dir)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.exists():
+        raise OrbitError(f"{run_dir}: not a run directory (no config.yaml)")
+    cfg = load_config(cfg_file)
+    final = run_dir / "checkpoints" / "final"
+    if not final.exists():
+        raise OrbitError(f"{final}: missing (the run has not finished; nothing to export)")
+    out = Path(args.out)
+    if cfg.train.mode == "full":
+        if args.format == "peft":
+            raise OrbitError(f"{run_dir}: a full-parameter run has no adapters; use --format hf")
+        shutil.copytree(final, out, dirs_exist_ok=True)
+        print(f"exported {final} -> {out}")
+        return 0
+    if args.format == "peft":
+        shutil.copytree(final, out, dirs_exist_ok=True)
+        print(f"exported adapters {final} -> {out}")
+        return 0
+    from orbitrl.model import load_model, load_tokenizer
+    from orbitrl.model.adapters import load_adapters, save_merged
+    from orbitrl.model.builtin import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    model = load_model(path)  # merge over the full-precision base
+    load_adapters(model, final)
+    save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
+    print(f"exported merged model -> {out}")
+    return 0

@@ -38,6 +38,16 @@ def greedy_complete(model: Decoder, prompts: list[list[int]], max_tokens: int,
     return outs
 
 
+def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
+    """Dataset fields handed to a reward: all but the prompt, with the answer under
+    ``answer`` whatever its column is called."""
+    out = {k: v for k, v in row.items() if k != prompt_field and k not in ("prompt",
+                                                                          "completion")}
+    if answer_field in row:
+        out["answer"] = row[answer_field]
+    return out
+
+
 def accuracy(model: Decoder, tokenizer, rows: list[dict], reward_fn: Callable,
              prompt_field: str = "prompt", answer_field: str = "answer",
              max_tokens: int = 8, complete: Optional[Callable] = None,
@@ -52,7 +62,8 @@ def accuracy(model: Decoder, tokenizer, rows: list[dict], reward_fn: Callable,
                    for r in chunk]
         for r, c in zip(chunk, complete(prompts)):
             text = tokenizer.decode(c, skip_special_tokens=True)
-            score = float(reward_fn(r[prompt_field], text, **r))
+            score = float(reward_fn(r[prompt_field], text,
+                                    **reward_fields(r, prompt_field, answer_field)))
             records.append({"prompt": r[prompt_field], "completion": text,
                             "answer": r.get(answer_field), "score": score})
     acc = sum(r["score"] for r in records) / max(1, len(records))

@@ -57,6 +57,7 @@ class FusedStats:
     steps: int = 0            # optimizer steps = micro_steps // accumulation_steps
     skipped: int = 0          # non-finite loss/grad: nothing applied
     partial: int = 0          # one-pass only: non-finite grad after some updates applied
+    vetoed: int = 0           # two-pass: the caller's ``veto(norm)`` refused the update
     last_grad_norm: float = float("nan")
     last_clip_coef: float = 1.0
     backward_passes: int = 0
@@ -105,6 +106,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sq: torch.Tensor | None = None
         self._coef = 1.0
         self._bad = False
+        self.veto = None  # optional (global grad norm) -> True to refuse this update
         self._prev_norm: float | None = None
         self._group_of: dict[int, dict] = {}
         self._handles = []
@@ -196,6 +198,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.stats.last_grad_norm = norm
             if not (_finite(loss) and math.isfinite(norm)):
                 self.stats.skipped += 1
+                return loss
+            if self.veto is not None and self.veto(norm):
+                self.stats.vetoed += 1
                 return loss
             self._coef = self._clip_coef(norm)
             _set_rng_state(rng)

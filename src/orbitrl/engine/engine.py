@@ -1,0 +1,264 @@
+"""The rollout engine: ``step()`` = schedule, run, postprocess.
+
+Example::
+
+    engine = Engine(orbitrl.load_model(path), orbitrl.load_tokenizer(path),
+                    kv_budget_bytes=256 << 20)
+    outs = engine.generate(["1+1="], SamplingParams(n=8, max_tokens=32, seed=0))
+    outs[0].samples[3].token_ids, outs[0].samples[3].logprobs
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from orbitrl.engine.block_pool import BlockPool
+from orbitrl.engine.model_runner import ModelRunner
+from orbitrl.engine.paged_attention import KVCache
+from orbitrl.engine.sampler import sample
+from orbitrl.engine.scheduler import Scheduler
+from orbitrl.engine.sequence import Completion, Request, RequestOutput, SamplingParams, Sequence
+from orbitrl.errors import OrbitError
+from orbitrl.ledger.kv import kv_blocks_for_budget, kv_bytes_per_block
+
+FP8_NAMES = ("fp8", "float8_e4m3fn")
+
+
+def _ids(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in (x if isinstance(x, (list, tuple)) else [x])]
+
+
+class Engine:
+    """Generates from a loaded :class:`orbitrl.model.Decoder` over a paged KV pool.
+
+    Args:
+        model: the decoder (called as it is at each step; never copied).
+        tokenizer: HF tokenizer for text prompts, stop strings and completion text; optional
+            when prompts are token ids.
+        kv_budget_bytes: KV pool size in bytes; the block count comes from
+            ``orbitrl.ledger.kv`` (the planner's formula). Default: half the free device
+            memory on CUDA, else enough for ``max_num_seqs`` full contexts capped at 2 GiB.
+        kv_dtype: None (model dtype) or "fp8" (e4m3 with a fp32 scale per token and head).
+        block_size: tokens per KV block.
+        max_num_seqs: sequences running at once (a request's n samples count n).
+        max_num_batched_tokens: tokens per forward; longer prompts are prefilled in chunks.
+        max_model_len: context length; default the model's max_position_embeddings.
+        preempt: "recompute" or "swap" when blocks run out; default swap on CUDA, recompute
+            on CPU (where host and device memory are the same).
+        seed: seeds the generator of requests that carry no seed of their own.
+    """
+
+    def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,
+                 kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 preempt: str | None = None, seed: int = 0):
+        cfg = model.config
+        self.model, self.tokenizer, self.config = model, tokenizer, cfg
+        dtype, device = next(model.parameters()).dtype, model.device
+        fp8 = kv_dtype in FP8_NAMES
+        if kv_dtype is not None and not fp8 and kv_dtype != str(dtype).removeprefix("torch."):
+            raise OrbitError(f"kv_dtype {kv_dtype!r}: choose None (the model dtype) or 'fp8'")
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.block_bytes = kv_bytes_per_block(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
+            "fp8" if fp8 else str(dtype).removeprefix("torch."), 4 if fp8 else 0)
+        if kv_budget_bytes is None:
+            if device.type == "cuda":
+                kv_budget_bytes = torch.cuda.mem_get_info(device)[0] // 2
+            else:
+                want = max_num_seqs * -(-self.max_model_len // block_size) * self.block_bytes
+                kv_budget_bytes = min(want, 2 << 30)
+        num_blocks = kv_blocks_for_budget(kv_budget_bytes, self.block_bytes)
+        if num_blocks < 1:
+            raise OrbitError(f"KV budget {kv_budget_bytes} bytes holds no block "
+                             f"(one block is {self.block_bytes} bytes)")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
+                             block_size, dtype, device, fp8=fp8)
+        preempt = preempt or ("swap" if device.type == "cuda" else "recompute")
+        if preempt not in ("swap", "recompute"):
+            raise OrbitError(f"preempt {preempt!r}: choose 'swap' or 'recompute'")
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
+                                   swap_out=self._swap_out)
+        self.runner = ModelRunner(model, self.cache)
+        self.eos_ids = frozenset(_ids(cfg.eos_token_id)
+                                 + _ids(getattr(tokenizer, "eos_token_id", None)))
+        self.rng = torch.Generator().manual_seed(seed)
+        self._arrival = 0
+        self._done: dict[int, list[Sequence]] = {}
+        self.stop_fn = None
+        self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, seconds=0.0)
+
+    # ---- requests -------------------------------------------------------------------
+    def _validate(self, req: Request, p: SamplingParams) -> tuple[list[int], str | None]:
+        if (err := p.check()) is not None:
+            return [], err
+        vocab = self.config.vocab_size
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+            if any(not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+                return [], f"prompt_ids must be integers in [0, {vocab})"
+        elif req.prompt is not None:
+            if self.tokenizer is None:
+                return [], "a text prompt needs a tokenizer (or pass prompt_ids)"
+            ids = list(self.tokenizer(req.prompt)["input_ids"]) if req.prompt else []
+        else:
+            return [], "no prompt (give prompt or prompt_ids)"
+        if not ids:
+            return [], "empty prompt"
+        if len(ids) >= self.max_model_len:
+            return [], (f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                        "(no room for a completion)")
+        bad = [t for t in p.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            return [], f"unknown stop token id {bad[0]!r} (vocabulary is [0, {vocab}))"
+        need = -(-min(len(ids) + p.max_tokens, self.max_model_len) // self.pool.block_size)
+        if need > self.pool.num_blocks:
+            return [], (f"one sample needs {need} KV blocks; the pool has "
+                        f"{self.pool.num_blocks} (raise the KV budget or lower max_tokens)")
+        return ids, None
+
+    def add_request(self, index: int, req: Request, params: SamplingParams) -> RequestOutput:
+        """Queue one request; returns its output record (``error`` set if rejected)."""
+        ids, err = self._validate(req, params)
+        out = RequestOutput(index, ids, error=err)
+        if err is None:
+            stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                      else self.eos_ids)
+            self.scheduler.add(Sequence(index, 0, ids, params, stop, self._arrival))
+            self._arrival += 1
+        return out
+
+    def generate(self, requests: list, params: SamplingParams | list | None = None, *,
+                 progress: bool = False, stop_fn=None) -> list[RequestOutput]:
+        """Generate for a batch of requests.
+
+        Args:
+            requests: each a :class:`Request`, a text prompt, or a list of token ids.
+            params: one SamplingParams for all, one per request, or None (a Request's own
+                ``params`` wins, else defaults).
+            progress: show a tqdm bar over samples.
+            stop_fn: optional ``(request_index, sample, completion_ids) -> bool`` checked
+                after every token; True ends that sample (finish_reason "stop").
+        Returns:
+            one RequestOutput per request, in input order; rejected requests carry ``error``
+            and no samples, and do not affect the others.
+        """
+        from tqdm import tqdm
+
+        if not self.scheduler.has_work():
+            # the weights may have changed since the last call: cached prefixes are stale
+            self.pool.reset_prefix_cache()
+        reqs = [r if isinstance(r, Request) else
+                Request(prompt=r) if isinstance(r, str) else Request(prompt_ids=list(r))
+                for r in requests]
+        plist = params if isinstance(params, list) else [params] * len(reqs)
+        outs = [self.add_request(i, r, r.params or p or SamplingParams())
+                for i, (r, p) in enumerate(zip(reqs, plist))]
+        self.stop_fn, self._done = stop_fn, {}
+        total = sum(r.params.n if r.params else (p or SamplingParams()).n
+                    for r, p, o in zip(reqs, plist, outs) if o.error is None)
+        t0 = time.perf_counter()
+        with tqdm(total=total, disable=not progress, unit="sample") as bar:
+            while self.scheduler.has_work():
+                bar.update(len(self.step()))
+        self.stats["seconds"] += time.perf_counter() - t0
+        for i, seqs in self._done.items():
+            outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
+                                          s.finish_reason)
+                               for s in sorted(seqs, key=lambda s: s.sample)]
+        return outs
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One forward over a scheduled batch; returns the sequences that finished."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            raise RuntimeError("engine: scheduler made no progress (pool too small?)")
+        for seq in batch.swap_in:
+            self.cache.load(seq.block_table, seq.swap)
+            seq.swap = None
+        self.cache.copy_blocks(batch.copies)
+        logits, seqs = self.runner.run(batch.items)
+        return self.postprocess(batch.items, logits, seqs)
+
+    def postprocess(self, items, logits, seqs: list[Sequence]) -> list[Sequence]:
+        for seq, n in items:
+            seq.num_computed += n
+            self.pool.commit(seq)
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += sum(max(0, min(n, s.num_prompt - s.num_computed + n))
+                                           for s, n in items)
+        if not seqs:
+            return []
+        targets, rows = [], []
+        for r, seq in enumerate(seqs):
+            group = [seq] + [seq.fork(j) for j in range(1, seq.pending_fork)]
+            for child in group[1:]:
+                self.pool.fork(child)
+                self.scheduler.add_running(child)
+            seq.pending_fork = 0
+            targets += group
+            rows += [r] * len(group)
+        if rows != list(range(len(seqs))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        toks, lps, raws = sample(logits, [s.params for s in targets],
+                                 [s.generator for s in targets], self.rng)
+        finished = []
+        for seq, t, lp, raw in zip(targets, toks.tolist(), lps.tolist(), raws.tolist()):
+            seq.token_ids.append(t)
+            seq.logprobs.append(lp)
+            seq.raw_logprobs.append(raw)
+            self.stats["generated_tokens"] += 1
+            reason = self._finish_reason(seq, t)
+            if reason is not None:
+                seq.finish_reason = reason
+                self._finalize_text(seq)
+                self.scheduler.finish(seq)
+                self._done.setdefault(seq.req_index, []).append(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in seq.stop_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            width = max(len(s) for s in p.stop) + 4
+            tail = self.tokenizer.decode(seq.completion_ids[-width:])
+            if any(s in tail for s in p.stop):
+                return "stop"
+        if self.stop_fn is not None and self.stop_fn(seq.req_index, seq.sample,
+                                                     seq.completion_ids):
+            return "stop"
+        if seq.num_completion >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finalize_text(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.completion_ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in seq.params.stop if s in text]
+        seq.text = text[:min(cuts)] if cuts else text
+
+    def _swap_out(self, seq: Sequence) -> None:
+        seq.swap = self.cache.save(seq.block_table, seq.num_computed)
+        computed = seq.num_computed
+        self.pool.free_seq(seq)
+        seq.num_computed = computed
+
+    def summary(self) -> dict:
+        """Counters for the progress summary and the tests."""
+        s = dict(self.stats)
+        s.update(kv_blocks=self.pool.num_blocks, kv_blocks_peak=self.pool.peak_used,
+                 kv_block_bytes=self.block_bytes, kv_bytes_peak=self.pool.peak_used * self.block_bytes,
+                 blocks_allocated=self.pool.allocated, prefix_hits=self.pool.prefix_hits,
+                 cow=self.pool.cow, preemptions=self.scheduler.num_preempted,
+                 swaps=self.scheduler.num_swapped)
+        s["tokens_per_s"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
+        return s

@@ -1,0 +1,181 @@
+"""The paged KV cache and attention over it, in plain PyTorch (runs on CPU).
+
+``KVCache`` holds every layer's K and V slot-major (``k[layer]: [num_slots, Hkv, D]``), in
+the model dtype or in fp8 e4m3 with one fp32 scale per (token, kv head). ``PagedAttention``
+is the decoder's attention backend for one engine step: it writes the step's new K/V into
+their slots, gathers each sequence's context with ``index_select`` and runs SDPA. Decode
+tokens (one query per sequence) go through one batched call over padded contexts; prefill
+chunks go one sequence at a time. A fused GPU kernel replaces ``PagedAttention.__call__``
+and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device, fp8: bool = False):
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.dtype, self.fp8, self.block_size = dtype, fp8, block_size
+        # fp8 is stored as uint8 bits: index_copy_ has no float8 kernel on CPU
+        store = torch.uint8 if fp8 else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        if fp8:
+            self.k_scale = torch.ones(shape[:3] + (1,), dtype=torch.float32, device=device)
+            self.v_scale = torch.ones_like(self.k_scale)
+
+    def _fields(self):
+        return (self.k, self.v, self.k_scale, self.v_scale) if self.fp8 else (self.k, self.v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._fields())
+
+    @staticmethod
+    def quantize(x: torch.Tensor):
+        """x: [N, H, D] -> (fp8 bits as uint8 [N, H, D], fp32 scale [N, H, 1])."""
+        scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+        return (x.float() / scale).to(FP8).view(torch.uint8), scale
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [N, Hkv, D] for the N slots ``slots``."""
+        if self.fp8:
+            (kq, ks), (vq, vs) = self.quantize(k), self.quantize(v)
+            self.k[layer].index_copy_(0, slots, kq)
+            self.v[layer].index_copy_(0, slots, vq)
+            self.k_scale[layer].index_copy_(0, slots, ks)
+            self.v_scale[layer].index_copy_(0, slots, vs)
+        else:
+            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    def read(self, layer: int, idx: torch.Tensor):
+        """K, V of slots ``idx`` [M] -> two [M, Hkv, D] tensors in the compute dtype."""
+        k, v = self.k[layer].index_select(0, idx), self.v[layer].index_select(0, idx)
+        if self.fp8:
+            k = (k.view(FP8).float() * self.k_scale[layer].index_select(0, idx)).to(self.dtype)
+            v = (v.view(FP8).float() * self.v_scale[layer].index_select(0, idx)).to(self.dtype)
+        return k, v
+
+    def _slots(self, blocks) -> torch.Tensor:
+        b = torch.as_tensor(blocks, dtype=torch.long, device=self.k.device)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size, device=b.device)).reshape(-1)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]):
+        """Copy-on-write: block src -> block dst, every layer."""
+        if not pairs:
+            return
+        src, dst = self._slots([p[0] for p in pairs]), self._slots([p[1] for p in pairs])
+        for t in self._fields():
+            t[:, dst] = t[:, src]
+
+    def save(self, blocks: list[int], num_tokens: int) -> tuple:
+        """Host copy of the first ``num_tokens`` slots of ``blocks`` (swap out)."""
+        s = self._slots(blocks)[:num_tokens]
+        return tuple(t[:, s].to("cpu") for t in self._fields())
+
+    def load(self, blocks: list[int], saved: tuple):
+        """Swap in what ``save`` returned into (new) ``blocks``."""
+        s = self._slots(blocks)[:saved[0].shape[1]]
+        for t, h in zip(self._fields(), saved):
+            t[:, s] = h.to(t.device)
+
+
+class PagedAttention:
+    """Attention backend for one step over a flattened batch [1, N].
+
+    Token order: first the decode sequences (one new token each), then the prefill chunks.
+    Built by :meth:`build` from each scheduled sequence's (block_table, start, num_new):
+    its new tokens occupy positions start .. start + num_new - 1.
+    """
+
+    def __init__(self, cache: KVCache, windows: list, scale: float):
+        self.cache, self.windows, self.scale = cache, windows, scale
+        self._masks: dict = {}
+
+    @classmethod
+    def build(cls, cache: KVCache, windows: list, scale: float,
+              items: list[tuple[list[int], int, int]]) -> "PagedAttention":
+        self = cls(cache, windows, scale)
+        dev, bs = cache.k.device, cache.block_size
+        ar = torch.arange(bs, device=dev)
+        nd = 0
+        while nd < len(items) and items[nd][2] == 1:
+            nd += 1
+        self.num_decode = nd
+        mapping = []
+        if nd:
+            nb = max(len(it[0]) for it in items[:nd])
+            bt = torch.tensor([it[0] + [0] * (nb - len(it[0])) for it in items[:nd]],
+                              dtype=torch.long, device=dev)
+            self.dec_pos = torch.tensor([it[1] for it in items[:nd]], device=dev)  # [B]
+            cmax = int(self.dec_pos.max()) + 1
+            slots = (bt[:, :, None] * bs + ar).reshape(nd, -1)[:, :cmax]  # [B, C]
+            self.dec_idx = slots.reshape(-1)
+            self.dec_shape = (nd, cmax)
+            mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
+        self.prefills = []
+        t0 = nd
+        for table, start, num_new in items[nd:]:
+            ctx = start + num_new
+            bt = torch.tensor(table[:-(-ctx // bs)], dtype=torch.long, device=dev)
+            slots = (bt[:, None] * bs + ar).reshape(-1)[:ctx]
+            mapping.append(slots[start:])
+            self.prefills.append((t0, t0 + num_new, start, slots))
+            t0 += num_new
+        self.slot_mapping = torch.cat(mapping)
+        return self
+
+    def _mask(self, key, window):
+        """Decode mask [B, 1, 1, C] or prefill mask [1, 1, T, C]; True = may attend."""
+        if (key, window) not in self._masks:
+            if key == "dec":
+                kpos = torch.arange(self.dec_shape[1], device=self.dec_pos.device)
+                qpos = self.dec_pos[:, None]
+                m = kpos[None] <= qpos
+                if window is not None:
+                    m &= (qpos - kpos[None]) < window
+                m = m[:, None, None, :]
+            else:
+                t0, t1, start, slots = self.prefills[key]
+                kpos = torch.arange(slots.numel(), device=slots.device)
+                qpos = torch.arange(start, start + t1 - t0, device=slots.device)[:, None]
+                m = kpos[None] <= qpos
+                if window is not None:
+                    m &= (qpos - kpos[None]) < window
+                m = m[None, None]
+            self._masks[(key, window)] = m
+        return self._masks[(key, window)]
+
+    def __call__(self, layer: int, q, k, v):
+        # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]
+        q, k, v = q[0], k[0], v[0]
+        self.cache.write(layer, self.slot_mapping, k, v)
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        window = self.windows[layer]
+        out = torch.empty_like(q)
+        if self.num_decode:
+            b, c = self.dec_shape
+            kc, vc = self.cache.read(layer, self.dec_idx)
+            kc = kc.view(b, c, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
+            vc = vc.view(b, c, hkv, d).transpose(1, 2)
+            # the G query heads sharing one kv head act as G queries of that head
+            qd = q[:b].view(b, hkv, hq // hkv, d)
+            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=self._mask("dec", window),
+                                               scale=self.scale)
+            out[:b] = o.reshape(b, hq, d)
+        for i, (t0, t1, _, slots) in enumerate(self.prefills):
+            kc, vc = self.cache.read(layer, slots)
+            o = F.scaled_dot_product_attention(
+                q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                vc.transpose(0, 1)[None], attn_mask=self._mask(i, window), scale=self.scale,
+                enable_gqa=hq != hkv)
+            out[t0:t1] = o[0].transpose(0, 1)
+        return out[None]

@@ -1,0 +1,96 @@
+"""Metrics: one JSON row per step (flushed as written), memory readings, phase timers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """High-water resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_peak_bytes(device) -> int:
+    """Peak bytes on the device: the CUDA allocator's high-water, else process peak RSS."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+class PhaseTimer:
+    """Seconds and memory at the end of each named phase of one step."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, int] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                self.memory[name] = torch.cuda.max_memory_allocated(self.device)
+            else:
+                self.memory[name] = rss_bytes()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    if isinstance(v, torch.Tensor):
+        return _clean(v.item())
+    return v
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.jsonl``; each row is flushed and fsynced so a killed run
+    keeps every step it logged."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fh = self.path.open("a")
+
+    def write(self, row: dict):
+        self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self):
+        self._fh.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line from a killed writer
+    return rows

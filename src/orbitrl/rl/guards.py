@@ -1,0 +1,89 @@
+"""Stability guards: a gradient-norm heartbeat and a last-good snapshot of trainable state.
+
+A step whose global gradient norm exceeds ``factor`` times the running mean of recent good
+norms (after a short warm-up), or whose loss/gradients are not finite, is skipped; the
+trainable tensors are then restored from the last good in-memory snapshot (for adapters a
+few MB; the fused full-parameter path vetoes the update before applying it instead, so no
+snapshot of the full weights is needed). Per-layer running statistics are kept so the
+layer that spiked can be named in the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class GradNormGuard:
+    def __init__(self, factor: float = 5.0, warmup: int = 5, beta: float = 0.9):
+        self.factor, self.warmup, self.beta = factor, warmup, beta
+        self.mean: float | None = None
+        self.count = 0
+        self.layer_mean: dict[str, float] = {}
+        self.skipped_spike = 0
+        self.skipped_nonfinite = 0
+
+    def ok(self, norm: float) -> bool:
+        """Whether a step with this global gradient norm may be applied."""
+        if not math.isfinite(norm):
+            self.skipped_nonfinite += 1
+            return False
+        if self.count >= self.warmup and self.mean is not None and \
+                norm > self.factor * self.mean:
+            self.skipped_spike += 1
+            return False
+        return True
+
+    def accept(self, norm: float, layer_norms: dict[str, float] | None = None):
+        """Fold an applied step's norms into the running statistics."""
+        self.mean = norm if self.mean is None else self.beta * self.mean + (1 - self.beta) * norm
+        self.count += 1
+        for k, v in (layer_norms or {}).items():
+            m = self.layer_mean.get(k)
+            self.layer_mean[k] = v if m is None else self.beta * m + (1 - self.beta) * v
+
+    def worst_layer(self, layer_norms: dict[str, float]) -> tuple[str, float]:
+        """The layer whose norm is furthest above its own running mean (name, ratio)."""
+        best, ratio = "", 0.0
+        for k, v in layer_norms.items():
+            r = v / max(self.layer_mean.get(k, v), 1e-12)
+            if r > ratio:
+                best, ratio = k, r
+        return best, ratio
+
+    def state_dict(self):
+        return dict(mean=self.mean, count=self.count, layer_mean=self.layer_mean,
+                    skipped_spike=self.skipped_spike, skipped_nonfinite=self.skipped_nonfinite)
+
+    def load_state_dict(self, sd):
+        self.__dict__.update(sd)
+
+
+def layer_grad_norms(named_params) -> dict[str, float]:
+    """Gradient norm per decoder layer (``model.layers.N``) and for the rest."""
+    acc: dict[str, float] = {}
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if name.startswith("model.layers.") else parts[0]
+        acc[key] = acc.get(key, 0.0) + float(p.grad.detach().float().pow(2).sum())
+    return {k: math.sqrt(v) for k, v in acc.items()}
+
+
+class Snapshot:
+    """Last good copy of a list of tensors (the trainable adapters)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.saved = [p.detach().clone() for p in params]
+
+    def save(self):
+        for s, p in zip(self.saved, self.params):
+            s.copy_(p.detach())
+
+    @torch.no_grad()
+    def restore(self):
+        for s, p in zip(self.saved, self.params):
+            p.copy_(s)

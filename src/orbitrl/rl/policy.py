@@ -1,0 +1,81 @@
+"""Build the policy for a run: adapters on a frozen base, or full parameters.
+
+Adapter mode: the base is quantized while loading (shard by shard) and frozen; LoRA adapters
+are the only trainable tensors; the reference policy is the same modules with the adapters
+switched off (or an anchored adapter snapshot, see ``anchors.py``), at no extra memory.
+Full mode: every parameter trains under a stateless update fused into backward; the
+reference is an int8 copy of the starting weights kept in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orbitrl.config import Config
+from orbitrl.errors import OrbitError
+from orbitrl.model import load_tokenizer
+from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.decoder import Decoder
+from orbitrl.model.weights import load_model
+
+_BASE = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}
+
+
+@dataclass
+class Policy:
+    model: Decoder
+    tokenizer: object
+    path: Path
+    trainable: list
+    reference: Decoder | None = None  # full mode: frozen int8 copy; adapter mode: None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise OrbitError(f"model.device {name!r}: no CUDA device on this machine")
+    return dev
+
+
+def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
+    """Load with the frozen projections stored in ``fmt`` (None: plain dtype)."""
+    if fmt is None:
+        return load_model(path, dtype=dtype, device=device)
+    from orbitrl.model.quant import check_format, finish_frozen, quantizing_hook
+
+    check_format(fmt, device, key="model.base_dtype")
+    model = load_model(path, dtype=dtype, device=device, on_tensor=quantizing_hook(fmt))
+    finish_frozen(model, path)
+    return model
+
+
+def build_policy(cfg: Config, device) -> Policy:
+    path = resolve_model_path(cfg.model.path)
+    dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+    if cfg.train.mode == "adapter":
+        from orbitrl.model.lora import adapter_parameters, apply_lora
+
+        model = load_base(path, _BASE[cfg.model.base_dtype], dtype, device)
+        apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                   targets=cfg.lora.targets)
+        trainable = adapter_parameters(model)
+        reference = None
+    else:
+        if cfg.model.base_dtype not in ("fp32", "bf16"):
+            # the full-parameter policy trains its own weights; base_dtype then only names
+            # the storage of the policy (fp32/bf16); the reference is always int8
+            pass
+        model = load_model(path, dtype=dtype, device=device)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        trainable = [p for p in model.parameters()]
+        reference = load_base(path, "int8", dtype, "cpu")  # host-resident, frozen
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    tok = load_tokenizer(path, model.config.vocab_size)
+    return Policy(model, tok, path, trainable, reference)

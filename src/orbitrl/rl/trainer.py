@@ -1,0 +1,331 @@
+"""The RL loop: rollout -> rewards -> advantages -> score -> train, one step at a time.
+
+``RLTrainer.step()`` is the whole step on one screen; the pieces are functions in
+``step.py``, ``batch.py``, ``anchors.py`` and ``guards.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from orbitrl.config import Config
+from orbitrl.engine import Engine, SamplingParams
+from orbitrl.observe.metrics import PhaseTimer, device_peak_bytes
+from orbitrl.rewards import RewardRunner, RewardSource, get_reward
+from orbitrl.rl.anchors import Anchors
+from orbitrl.rl.batch import micro_batches, pack, score
+from orbitrl.rl.evaluate import reward_fields
+from orbitrl.rl.guards import GradNormGuard, Snapshot, layer_grad_norms
+from orbitrl.rl.losses import make_kl_controller
+from orbitrl.rl.policy import build_policy, pick_device
+from orbitrl.train.optim import is_fused
+from orbitrl.rl.step import actor_loss, compute_advantages, ppo_advantages, rollout
+
+
+def seed_everything(seed: int, deterministic: bool = False):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+class RLTrainer:
+    """Holds the run's state (policy, engine, optimizer, anchors, guards, data position)."""
+
+    def __init__(self, cfg: Config, train_rows: list[dict], heldout_rows: list[dict]):
+        self.cfg = cfg
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
+        self.device = pick_device(cfg.model.device)
+        self.policy = build_policy(cfg, self.device)
+        self.model, self.tok = self.policy.model, self.policy.tokenizer
+        r = cfg.rollout
+        self.engine = Engine(self.model, self.tok, kv_budget_bytes=int(r.kv_budget_mb * 2**20),
+                             kv_dtype="fp8" if r.kv_dtype == "fp8" else None,
+                             block_size=r.block_size, seed=cfg.train.seed)
+        self.train_rows, self.heldout_rows = train_rows, heldout_rows
+        self.order = list(range(len(train_rows)))
+        random.Random(cfg.train.seed).shuffle(self.order)
+        self.data_pos = 0
+        self.rewards = RewardRunner([RewardSource(get_reward(cfg.reward.name),
+                                                  name=cfg.reward.name)],
+                                    timeout_s=cfg.reward.timeout_s)
+        self.opt = self._optimizer()
+        self.anchors = Anchors(self.model, self.policy.reference, cfg.algo.anchor_refresh_steps,
+                               cfg.algo.anchor_kl_threshold)
+        self.kl_ctl = make_kl_controller("adaptive" if cfg.algo.adaptive_kl else "fixed",
+                                         coef=cfg.algo.kl_coef, target=cfg.algo.target_kl)
+        self.critic = self.critic_opt = None
+        if cfg.algo.name == "ppo":
+            from orbitrl.rl.critic import ValueHead
+
+            self.critic = ValueHead(self.model.config.hidden_size).to(self.device)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.algo.value_lr)
+        self.guard = GradNormGuard()
+        self.snapshot = Snapshot(self.policy.trainable) if cfg.train.mode == "adapter" else None
+        self.step_idx = 0  # optimizer steps taken = policy version
+        self._fused_applied = 0
+        self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
+                             dropped_groups=0, reward_errors=0)
+
+    # ---- setup ---------------------------------------------------------------------
+    def _optimizer(self):
+        t = self.cfg.train
+        params = self.policy.trainable
+        if t.mode == "adapter" or t.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        from orbitrl.train.optim import build_optimizer
+
+        opt = build_optimizer(t.optimizer, params, t.lr, max_grad_norm=t.max_grad_norm)
+        # the heartbeat vetoes a spiking update between the two passes: nothing is applied,
+        # so no snapshot of the full weights is needed
+        opt.veto = lambda norm: not self.guard.ok(norm)
+        return opt
+
+    def lr_at(self, step: int) -> float:
+        t = self.cfg.train
+        warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+        if t.lr_schedule == "cosine":
+            frac = min(1.0, step / max(1, t.max_steps))
+            return t.min_lr + (t.lr - t.min_lr) * warm * 0.5 * (1 + math.cos(math.pi * frac))
+        return t.lr * warm
+
+    def next_prompts(self) -> list[dict]:
+        P = self.cfg.rollout.prompts_per_step
+        rows = []
+        for _ in range(P):
+            if self.data_pos % len(self.order) == 0 and self.data_pos:
+                random.Random(self.cfg.train.seed + self.data_pos).shuffle(self.order)
+            rows.append(self.train_rows[self.order[self.data_pos % len(self.order)]])
+            self.data_pos += 1
+        return rows
+
+    def encode(self, text: str) -> list[int]:
+        if self.cfg.data.chat_template:
+            return self.tok.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    # ---- evaluation ----------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, rows: list[dict]) -> float:
+        d = self.cfg.data
+        prompts = [self.encode(r[d.prompt_field]) for r in rows]
+        params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0)
+        samples = rollout(self.engine, prompts, rows, params, self.step_idx, 0)
+        res = self.rewards([r[d.prompt_field] for r in rows], [s.text for s in samples],
+                           [reward_fields(r, d.prompt_field, d.answer_field) for r in rows])
+        return float(sum(res.rewards) / max(1, len(rows)))
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> dict:
+        cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
+        timer = PhaseTimer(self.device)
+        rows = self.next_prompts()
+        d = cfg.data
+        with timer.phase("rollout"):
+            self.model.eval()
+            params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
+                                    top_p=r.top_p, top_k=r.top_k)
+            gen0 = self.engine.stats["generated_tokens"]
+            samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows], rows,
+                              params, self.step_idx, cfg.train.seed * 7919 + self.step_idx)
+            gen_tokens = self.engine.stats["generated_tokens"] - gen0
+        with timer.phase("reward"):
+            res = self.rewards([s.fields[d.prompt_field] for s in samples],
+                               [s.text for s in samples],
+                               [reward_fields(s.fields, d.prompt_field, d.answer_field)
+                                for s in samples])
+            rewards = torch.tensor(res.rewards, dtype=torch.float32)
+            if algo.overlong == "shape":
+                from orbitrl.rl.advantages import overlong_penalty
+
+                lens = torch.tensor([len(s.completion_ids) for s in samples])
+                rewards = rewards + overlong_penalty(lens, r.max_tokens, algo.overlong_buffer)
+        row = {"step": self.step_idx, "reward_mean": float(torch.tensor(res.rewards).mean())}
+        row.update({k: v for k, v in res.metrics.items() if k != "reward_mean"})
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if algo.dynamic_sampling:
+            from orbitrl.rl.advantages import dynamic_sampling_mask
+
+            keep = dynamic_sampling_mask(rewards, r.n)
+            row["dropped_groups"] = int((~keep).sum()) // r.n
+        with timer.phase("score"):
+            ctx = self._score(samples, rewards, keep)
+        if ctx is None:
+            row["step_skipped"] = 1
+        else:
+            with timer.phase("train"):
+                row.update(self._update(**ctx))
+        row.update(self._step_metrics(samples, gen_tokens, timer))
+        return row
+
+    def _score(self, samples, rewards, keep) -> dict | None:
+        """Old (trainer) and anchored reference logprobs, once per step; advantages."""
+        cfg, algo = self.cfg, self.cfg.algo
+        T = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        idx = [i for i in range(len(samples)) if keep[i]]
+        if not idx:
+            return None
+        kept = [samples[i] for i in idx]
+        full = pack(kept, self.device)
+        mask = full.mask.clone()
+        if algo.overlong == "filter":
+            trunc = torch.tensor([s.truncated for s in kept], device=mask.device)
+            mask = mask * (~trunc)[:, None].float()
+        mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
+        kl_coef = self.kl_ctl.value
+        need_ref = kl_coef > 0 or algo.kl_in_reward
+        with torch.no_grad():
+            parts = [pack([kept[j] for j in g], self.device) for g in mbs]
+            if self.critic is not None:
+                scored = [score(self.model, p, T, return_hidden=True) for p in parts]
+                old = [o for o, _ in scored]
+                old_v = [p.pad(self.critic(h)) for p, (_, h) in zip(parts, scored)]
+            else:
+                old = [score(self.model, p, T) for p in parts]
+            ref = [None] * len(parts)
+            if need_ref:
+                with self.anchors.anchored() as ref_model:
+                    ref = [score(ref_model, p, T) for p in parts]
+        # the engine's logprobs against the trainer's recomputation, every sampled token
+        mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()] for o, p in zip(old, parts)])
+        kl_full = _cat_padded([o - rf for o, rf in zip(old, ref)], full.mask.shape) \
+            if need_ref else None
+        if algo.check and self.step_idx == 0 and need_ref:
+            k0 = float((kl_full.abs() * full.mask).max())
+            tol = 1e-5 if cfg.train.mode == "adapter" else 5e-2
+            assert k0 <= tol, f"check: KL to the reference at step 0 is {k0:.3g} > {tol}"
+        values = returns = None
+        if self.critic is not None:
+            values = _cat_padded(old_v, full.mask.shape)
+            adv, returns = ppo_advantages(algo, rewards[idx].to(self.device), values, full.mask,
+                                          kl_full, kl_coef)
+        else:
+            adv = compute_advantages(algo, rewards[idx].to(self.device), cfg.rollout.n,
+                                     full.mask, kl_full, kl_coef)
+        out = {"logprob_mismatch_max": float(mm.max()),
+               "logprob_mismatch_mean": float(mm.mean())}
+        return dict(parts=parts, mbs=mbs, old=old, ref=ref, adv=adv, mask=mask,
+                    kl_coef=kl_coef, T=T, out=out, values=values, returns=returns)
+
+    def _update(self, parts, mbs, old, ref, adv, mask, kl_coef, T, out, values=None,
+                returns=None) -> dict:
+        cfg, algo = self.cfg, self.cfg.algo
+        self.model.train()
+        lr = self.lr_at(self.step_idx)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        denom = float(mask.sum()) if algo.loss_agg == "token-mean" else float(mask.shape[0])
+        offsets = [0]
+        for g in mbs:
+            offsets.append(offsets[-1] + len(g))
+        metrics_by_mb: dict = {}  # a fused two-pass step runs the closure twice: keep the last
+        fused = is_fused(self.opt)
+        for epoch in range(algo.epochs):
+            for k, p in enumerate(parts):
+                a, b = offsets[k], offsets[k + 1]
+                T_k = p.mask.shape[1]
+                adv_k = adv[a:b, :T_k]
+                p.mask = mask[a:b, :T_k]
+
+                crit = {}
+                if self.critic is not None:
+                    crit = dict(critic=self.critic, old_values=values[a:b, :T_k],
+                                returns=returns[a:b, :T_k])
+
+                def closure(p=p, k=k, adv_k=adv_k, crit=crit):
+                    if self.critic is not None:  # a fused two-pass step runs this twice
+                        self.critic_opt.zero_grad(set_to_none=True)
+                    loss, m = actor_loss(self.model, p, old[k], ref[k], adv_k, algo, kl_coef, T,
+                                         denom, cfg.rollout.max_tokens, **crit)
+                    if algo.check and self.step_idx == 0 and epoch == 0 and k == 0:
+                        assert abs(m["ratio_mean"] - 1) < 1e-5, \
+                            f"check: policy ratio at step 0 is {m['ratio_mean']}"
+                    loss.backward()
+                    metrics_by_mb[(epoch, k)] = m | {"loss": float(loss.detach())}
+                    return loss
+
+                if fused:
+                    self.opt.step(closure)
+                else:
+                    closure()
+                if self.critic is not None:
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
+                    self.critic_opt.step()
+                    self.critic_opt.zero_grad(set_to_none=True)
+        self.model.eval()
+        return out | self._apply(fused, list(metrics_by_mb.values()), lr)
+
+    def _apply(self, fused: bool, metrics: list[dict], lr: float) -> dict:
+        out = {"lr": lr}
+        if fused:
+            st = self.opt.stats
+            norm = st.last_grad_norm
+            applied = st.micro_steps - self._fused_applied
+            self._fused_applied = st.micro_steps
+            ok = applied > 0
+            out["grad_norm"] = norm
+        else:
+            named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+            layers = layer_grad_norms(named)
+            norm = math.sqrt(sum(v * v for v in layers.values()))
+            loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
+            ok = self.guard.ok(norm if loss_ok else float("nan"))
+            out["grad_norm"] = norm
+            if ok:
+                torch.nn.utils.clip_grad_norm_(self.policy.trainable, self.cfg.train.max_grad_norm)
+                self.opt.step()
+                self.guard.accept(norm, layers)
+                if self.snapshot is not None:
+                    self.snapshot.save()
+            else:
+                out["spike_layer"] = self.guard.worst_layer(layers)[0]
+                if self.snapshot is not None:
+                    self.snapshot.restore()
+            self.opt.zero_grad(set_to_none=True)
+        if fused and ok:
+            self.guard.accept(norm)
+        out["step_skipped"] = 0 if ok else 1
+        out["skipped_spike"] = self.guard.skipped_spike
+        out["skipped_nonfinite"] = self.guard.skipped_nonfinite + \
+            (self.opt.stats.skipped if fused else 0)
+        keys = set().union(*metrics) if metrics else set()
+        for k in keys:
+            vals = [m[k] for m in metrics if k in m and isinstance(m[k], (int, float))]
+            if vals:
+                out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+        if ok:
+            self.step_idx += 1
+        reason = self.anchors.maybe_refresh(self.step_idx, out.get("kl", 0.0))
+        if reason:
+            out["anchor_refresh"] = reason
+        out["anchor_refreshes"] = len(self.anchors.events)
+        self.kl_ctl.update(out.get("kl", 0.0), 1)
+        out["kl_coef"] = self.kl_ctl.value
+        return out
+
+    def _step_metrics(self, samples, gen_tokens, timer) -> dict:
+        lens = [len(s.completion_ids) for s in samples]
+        return {
+            "policy_version": self.step_idx,
+            "completion_len_mean": sum(lens) / len(lens),
+            "truncated_frac": sum(s.truncated for s in samples) / len(samples),
+            "tokens_per_s": gen_tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
+            "peak_memory_bytes": device_peak_bytes(self.device),
+            **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+            **{f"mem_{k}_bytes": v for k, v in timer.memory.items()},
+        }
+
+
+def _cat_padded(tensors: list[torch.Tensor], shape) -> torch.Tensor:
+    out = tensors[0].new_zeros(shape)
+    r = 0
+    for t in tensors:
+        out[r:r + t.shape[0], :t.shape[1]] = t
+        r += t.shape[0]
+    return out

@@ -1,0 +1,104 @@
+"""`orbitrl generate` end to end on a tiny model with a character-level tokenizer; stop
+strings through the Python API."""
+
+import json
+import string
+
+import pytest
+import torch
+
+import orbitrl
+from orbitrl.cli import main
+from orbitrl.engine import Engine, SamplingParams
+
+CHARS = string.printable[:96]  # 96 characters + "<eos>"
+
+
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(CHARS)}
+    vocab["<eos>"] = 96
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    t.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from conftest import make_hf_model
+
+    d = tmp_path_factory.mktemp("cli_model")
+    # 100 rows: AutoTokenizer picks Qwen2's class from config.json and adds a pad token
+    make_hf_model("qwen2", vocab_size=100).save_pretrained(d)
+    _char_tokenizer().save_pretrained(d)
+    return d
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_cli_writes_rows_in_order(model_dir, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{"prompt": "12+30="}, {"prompt_ids": [5, 6, 7], "max_tokens": 3}])
+    rc = main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out", str(out),
+               "--n", "3", "--max-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
+               "--seed", "7"])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in (0, 1) for j in range(3)]
+    for r in rows:
+        assert len(r["completion_ids"]) == len(r["logprobs"]) == len(r["raw_logprobs"])
+        assert r["finish_reason"] in ("stop", "length")
+        assert len(r["completion_ids"]) <= (5 if r["index"] == 0 else 3)
+    err = capsys.readouterr().err
+    assert "tokens/s" in err and "KV blocks used" in err and "preemptions" in err
+    # same seed: same output
+    out2 = tmp_path / "out2.jsonl"
+    main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out", str(out2),
+          "--n", "3", "--max-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
+          "--seed", "7", "--no-progress"])
+    assert out2.read_text() == out.read_text()
+
+
+def test_cli_greedy_matches_api(model_dir, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{"prompt": "hello"}])
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                 str(out), "--temperature", "0", "--max-tokens", "6", "--no-progress"]) == 0
+    row = json.loads(out.read_text())
+    eng = Engine(orbitrl.load_model(model_dir), _char_tokenizer(), kv_budget_bytes=1 << 20)
+    s = eng.generate(["hello"], SamplingParams(max_tokens=6, temperature=0))[0].samples[0]
+    assert row["completion_ids"] == s.token_ids and row["completion"] == s.text
+
+
+def test_cli_bad_rows(model_dir, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{"prompt": "ok"}, {"prompt": ""}, "{not json", {"prompt_ids": [1], "max_tokens": 0},
+                 {"prompt": "x" * 200}, {"foo": 1}, {"prompt_ids": [3, 4]}])
+    rc = main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out", str(out),
+               "--max-tokens", "2", "--no-progress"])
+    assert rc == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
+    assert [x.split(":")[2] for x in err] == ["2", "3", "4", "5", "6"]
+    assert {json.loads(x)["index"] for x in out.read_text().splitlines()} == {0, 6}
+    # nothing valid: exit 2, one line
+    _write(inp, [{"prompt": ""}])
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                 str(tmp_path / "none.jsonl"), "--no-progress"]) == 2
+
+
+def test_stop_strings(model_dir):
+    tok = _char_tokenizer()
+    eng = Engine(orbitrl.load_model(model_dir), tok, kv_budget_bytes=1 << 20)
+    full = eng.generate(["abc"], SamplingParams(max_tokens=12, temperature=0,
+                                                ignore_eos=True))[0].samples[0]
+    stop = full.text[3:5]
+    cut = full.text.index(stop)
+    s = eng.generate(["abc"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                             stop=[stop]))[0].samples[0]
+    assert s.finish_reason == "stop" and s.text == full.text[:cut]
+    assert s.token_ids == full.token_ids[:cut + len(stop)]

@@ -1,0 +1,134 @@
+"""The RL loop on the built-in tiny model: invariants, guards and injected faults."""
+
+import math
+
+import pytest
+import torch
+
+from orbitrl.config import load_config
+from orbitrl.rewards import register
+from orbitrl.rl.run import load_data
+from orbitrl.rl.trainer import RLTrainer
+
+SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
+         "data.heldout_size=8", "algo.check=true", "model.base_dtype=int8"]
+
+
+@register("test_always_raises", override=True)
+def _raises(prompt, completion, **f):
+    raise RuntimeError("boom")
+
+
+@register("test_length", override=True)
+def _length(prompt, completion, **f):
+    return float(len(completion))  # varied rewards so gradients are non-zero
+
+
+def make(*over):
+    cfg = load_config(None, SMALL + list(over))
+    train, held = load_data(cfg)
+    return RLTrainer(cfg, train, held)
+
+
+def adapters(tr):
+    return [p.detach().clone() for p in tr.policy.trainable]
+
+
+def test_step_zero_invariants_and_metrics():
+    tr = make("reward.name=test_length")
+    row = tr.step()  # algo.check asserts KL == 0 and ratio == 1 inside the loop
+    for k in ("step", "reward_mean", "kl", "entropy", "grad_norm", "logprob_mismatch_max",
+              "tokens_per_s", "peak_memory_bytes"):
+        assert k in row, k
+    assert row["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert row["logprob_mismatch_max"] < 1e-4
+    assert row["step_skipped"] == 0 and tr.step_idx == 1
+    row2 = tr.step()
+    assert row2["policy_version"] == 2
+
+
+def test_reward_that_raises_is_counted_and_training_continues():
+    tr = make("reward.name=test_always_raises")
+    row = tr.step()
+    assert row["reward_mean"] == 0.0
+    assert row["reward_test_always_raises_errors"] == 8
+
+
+def test_gradient_spike_is_skipped_and_state_restored():
+    tr = make("reward.name=test_length")
+    tr.step()
+    before = adapters(tr)
+    tr.guard.mean, tr.guard.count = 1e-12, 100  # any real norm is now a 5x spike
+    row = tr.step()
+    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, adapters(tr)))
+
+
+def test_nan_loss_is_skipped(monkeypatch):
+    import orbitrl.rl.trainer as T
+
+    tr = make("reward.name=test_length")
+    real = T.actor_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m
+
+    monkeypatch.setattr(T, "actor_loss", nan_loss)
+    before = adapters(tr)
+    row = tr.step()
+    assert row["step_skipped"] == 1 and row["skipped_nonfinite"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, adapters(tr)))
+    assert all(torch.isfinite(p).all() for p in tr.policy.trainable)
+
+
+def test_stale_anchor_with_large_drift_is_refreshed():
+    tr = make("reward.name=test_length", "algo.check=false", "algo.anchor_kl_threshold=0.001")
+    with torch.no_grad():  # drift the policy far from the anchor
+        for p in tr.policy.trainable:
+            p.add_(torch.randn_like(p) * 3.0)
+    row = tr.step()
+    assert row["kl"] > tr.anchors.kl_threshold
+    assert row["anchor_refresh"] == "kl_drift"
+    assert tr.anchors.events[-1]["reason"] == "kl_drift"
+    # the anchor is now the current policy: the KL measured next step is small again
+    assert tr.step()["kl"] < row["kl"]
+
+
+def test_full_parameter_mode_runs_with_fused_update():
+    tr = make("reward.name=test_length", "train.mode=full", "train.optimizer=sgd",
+              "train.lr=1e-3")
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    row = tr.step()
+    assert row["step_skipped"] == 0 and math.isfinite(row["grad_norm"])
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+    assert changed > 0
+    assert row["kl"] < 5e-2  # int8 host reference vs fp32 policy at step 0
+
+
+def test_ppo_with_critic_trains_the_value_head():
+    tr = make("reward.name=test_length", "algo.name=ppo")
+    head = [p.detach().clone() for p in tr.critic.parameters()]
+    row = tr.step()
+    assert "value_loss" in row and math.isfinite(row["value_loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(head, tr.critic.parameters()))
+    assert row["step_skipped"] == 0
+
+
+@pytest.mark.parametrize("algo", ["rloo", "reinforce++"])
+def test_other_estimators_run(algo):
+    row = make("reward.name=test_length", f"algo.name={algo}").step()
+    assert row["step_skipped"] == 0 and math.isfinite(row["grad_norm"])
+
+
+def test_full_mode_spike_is_vetoed_before_any_update():
+    tr = make("reward.name=test_length", "train.mode=full", "train.optimizer=sgd",
+              "train.lr=1e-3")
+    tr.step()
+    tr.guard.mean, tr.guard.count = 1e-12, 100
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    row = tr.step()
+    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
+    assert tr.opt.stats.vetoed == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))

@@ -1,0 +1,88 @@
+"""The run contract end to end on the built-in model: train -> files -> report/export/eval."""
+
+import json
+import struct
+
+import pytest
+
+from orbitrl.cli import main
+
+FAST = ["--set", "train.max_steps=3", "--set", "rollout.prompts_per_step=2",
+        "--set", "rollout.n=4", "--set", "rollout.max_tokens=5", "--set", "data.heldout_size=8",
+        "--set", "log.progress=false", "--set", "model.base_dtype=int8"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *FAST, "--out", str(out)]) == 0
+    return out
+
+
+def test_run_directory_contract(run_dir):
+    assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints").is_dir()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for k in ("step", "reward_mean", "kl", "entropy", "grad_norm", "logprob_mismatch_max",
+              "tokens_per_s", "peak_memory_bytes"):
+        assert all(k in r for r in rows), k
+    s = json.loads((run_dir / "summary.json").read_text())
+    for k in ("heldout_accuracy_before", "heldout_accuracy_after", "steps", "wall_seconds"):
+        assert k in s
+    assert s["steps"] == 3
+
+
+def _is_png(p):
+    head = p.read_bytes()[:24]
+    return head[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", head[16:24])[0] > 0
+
+
+def test_report_renders(run_dir):
+    import re
+
+    assert main(["report", str(run_dir)]) == 0
+    page = run_dir / "report" / "report.html"
+    imgs = re.findall(r"<img src='([^']+)'", page.read_text())
+    assert len(imgs) >= 5
+    for name in imgs:
+        assert _is_png(run_dir / "report" / name), name
+
+
+def test_export_and_eval(run_dir, tmp_path, capsys):
+    assert main(["export", str(run_dir), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert (tmp_path / "peft" / "adapter_config.json").exists()
+    assert main(["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").exists()
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", "builtin:tiny-arith", "--adapter", str(tmp_path / "peft"),
+                 "--limit", "16", "--out", str(out)]) == 0
+    a = json.loads(out.read_text())["accuracy"]
+    assert main(["eval", "--model", str(tmp_path / "hf"), "--limit", "16"]) == 0
+    assert f"accuracy {a:.4f}" in capsys.readouterr().out  # merged == base + adapter
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--set", "reward.name=nope"], "nope"),
+    (["train", "--set", "data.train=/no/such.jsonl"], "/no/such.jsonl"),
+    (["eval", "--model", "/no/such/dir"], "/no/such/dir"),
+    (["export", "/no/such/run", "--out", "x"], "/no/such/run"),
+])
+def test_bad_input_is_one_line(args, needle, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_dataset_row_missing_prompt_field(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
+    assert main(["train", "--set", f"data.train={f}", "--set", "data.heldout=" + str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "row 2" in err and "'prompt'" in err
+
+
+def test_empty_dataset(tmp_path, capsys):
+    f = tmp_path / "e.jsonl"
+    f.write_text("")
+    assert main(["train", "--set", f"data.train={f}"]) == 2
+    assert "empty" in capsys.readouterr().err
