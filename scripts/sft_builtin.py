@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 import orbitrl
-from orbitrl.data.arith import arith_rows
+from orbitrl.data.arith import arith_rows, sft_rows
 from orbitrl.model import load_tokenizer, save_pretrained
 from orbitrl.rewards import get_reward
 from orbitrl.rl.evaluate import accuracy
@@ -29,23 +30,31 @@ if __name__ == "__main__":
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--out", default=None, help="write here instead of the built-in dir")
+    ap.add_argument("--save-each", default=None, help="also save a copy at every eval")
     a = ap.parse_args()
     torch.set_num_threads(1)  # tiny matmuls: threads cost more than they give
     torch.manual_seed(a.seed)
-    build(OUT, a.seed)
-    model, tok = orbitrl.load_model(OUT), load_tokenizer(OUT)
-    pairs = encode_pairs(tok, arith_rows("sft"))
+    out = Path(a.out) if a.out else OUT
+    build(out, a.seed)
+    model, tok = orbitrl.load_model(out), load_tokenizer(out)
+    pairs = encode_pairs(tok, sft_rows(seed=a.seed))
     held = arith_rows("heldout")
-    reward = get_reward("exact_match")
+    reward, lenient = get_reward("exact_match"), get_reward("arithmetic")
     t0 = time.time()
     done = 0
     while done < a.steps:
         k = min(a.eval_every, a.steps - done)
         # one cosine schedule over the whole run, evaluated every eval_every steps
-        cfg = SFTConfig(lr=a.lr, steps=a.steps, batch_size=64, warmup=20, seed=a.seed + done)
+        cfg = SFTConfig(lr=a.lr, steps=a.steps, batch_size=a.batch_size, warmup=20, seed=a.seed + done)
         train_sft(model, pairs, cfg, None, start=done, stop=done + k)
         done += k
-        acc, _ = accuracy(model, tok, held, reward, max_tokens=5)
-        print(f"step {done}: held-out accuracy {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
-    save_pretrained(model, OUT, tokenizer=tok)
-    print(f"wrote {OUT}")
+        acc, _ = accuracy(model, tok, held, reward, max_tokens=8)
+        num, _ = accuracy(model, tok, held, lenient, max_tokens=8)
+        print(f"step {done}: held-out exact {acc:.3f}, number right {num:.3f} "
+              f"({time.time() - t0:.0f}s)", flush=True)
+        if a.save_each:
+            save_pretrained(model, f"{a.save_each}/step{done}", tokenizer=tok)
+    save_pretrained(model, out, tokenizer=tok)
+    print(f"wrote {out}")

@@ -20,15 +20,21 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    cfg = config_from_args(args)
     if args.resume:
-        raise OrbitError("--resume is not yet available in this release")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").exists():
+            raise OrbitError(f"{run_dir}: not a run directory (no config.yaml to resume)")
+        from orbitrl.config import load_config
+
+        cfg = load_config(run_dir / "config.yaml", args.overrides)
+    else:
+        cfg = config_from_args(args)
     import torch
 
     from orbitrl.rl.run import print_summary, run_training
 
     torch.set_num_threads(1)
-    out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_training(cfg, out)
+    out = Path(args.resume or args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    summary = run_training(cfg, out, resume=bool(args.resume))
     print_summary(summary, out)
     return 0

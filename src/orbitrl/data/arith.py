@@ -24,3 +24,21 @@ def arith_rows(split: str, limit: int | None = None) -> list[dict]:
     lo, hi = SPLITS[split]
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in _pairs()[lo:hi]]
     return rows[:limit] if limit else rows
+
+
+# Supervised warm-up data is written the way scraped or distilled data often is: the right
+# number in one of several surface forms. The RL reward (exact_match) wants the bare number,
+# so RL has two things to improve: the arithmetic itself, and the exact answer format.
+SFT_FORMATS = (("{c}", 0.25), ("{c}.", 0.35), ("{c} ok", 0.2), ("ans {c}", 0.2))
+
+
+def sft_rows(limit: int | None = None, seed: int = 0) -> list[dict]:
+    """The ``sft`` split with each answer in a randomly drawn surface form (fixed seed)."""
+    rng = random.Random(seed)
+    forms, weights = zip(*SFT_FORMATS)
+    rows = []
+    for r in arith_rows("sft", limit):
+        form = rng.choices(forms, weights)[0]
+        rows.append({"prompt": r["prompt"], "answer": form.format(c=r["answer"]),
+                     "value": r["answer"]})
+    return rows

@@ -4,6 +4,8 @@ bar, metrics, the final adapters or weights, and the summary."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 from orbitrl.config import Config, save_config
 from orbitrl.data.datasets import load_rows, task_rows
 from orbitrl.errors import OrbitError
-from orbitrl.observe.metrics import MetricsWriter, peak_rss_bytes
+from orbitrl.observe.metrics import MetricsWriter, peak_rss_bytes, read_metrics
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -34,67 +36,118 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-def run_training(cfg: Config, run_dir: Path, echo=print) -> dict:
+def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -> dict:
+    """Train (or continue a run from its latest checkpoint) and write the summary."""
     from tqdm import tqdm
 
-    from orbitrl.rl.trainer import RLTrainer
-
     from orbitrl.rewards import get_reward
+    from orbitrl.rl.checkpoint import Checkpointer, restore
+    from orbitrl.rl.trainer import RLTrainer
 
     get_reward(cfg.reward.name)  # fail on a bad name before loading anything
     train_rows, held = load_data(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep)
     t_start = time.perf_counter()
     trainer = RLTrainer(cfg, train_rows, held)
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
-    acc0 = trainer.evaluate(held)
-    echo(f"held-out accuracy before: {acc0:.3f}")
+    latest = ckpt.latest() if resume else None
+    if latest is not None:
+        state = Checkpointer.load(latest)
+        restore(trainer, state)
+        acc0 = state["extra"]["heldout_accuracy_before"]
+        prior_wall = state["extra"].get("wall_seconds", 0.0)
+        echo(f"resumed from {latest} at step {trainer.iteration}")
+    else:
+        acc0 = trainer.evaluate(held)
+        prior_wall = 0.0
+        echo(f"held-out accuracy before: {acc0:.3f}")
+    # each step appears once: drop rows logged after the checkpoint we continue from
+    kept = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] < trainer.iteration]
+    _rewrite_metrics(run_dir / "metrics.jsonl", kept)
+    rewards = [r["reward_mean"] for r in kept]
     writer = MetricsWriter(run_dir / "metrics.jsonl")
-    budget = cfg.train.max_seconds
-    t_loop = time.perf_counter()
-    bar = tqdm(total=cfg.train.max_steps, desc="train", unit="step", file=sys.stderr,
-               disable=not cfg.log.progress, dynamic_ncols=True)
-    rewards: list[float] = []
-    steps = 0
+    stop = _StopSignals()
+    budget, t_loop = cfg.train.max_seconds, time.perf_counter()
+    bar = tqdm(total=cfg.train.max_steps, initial=trainer.iteration, desc="train", unit="step",
+               file=sys.stderr, disable=not cfg.log.progress, dynamic_ncols=True)
     stopped = "max_steps"
+
+    def extra():
+        return {"heldout_accuracy_before": acc0,
+                "wall_seconds": prior_wall + time.perf_counter() - t_start}
+
     try:
-        while steps < cfg.train.max_steps:
+        while trainer.iteration < cfg.train.max_steps:
             if budget and time.perf_counter() - t_loop > budget:
                 stopped = "max_seconds"
                 break
+            if stop.signal is not None:
+                stopped = stop.signal
+                break
             row = trainer.step()
-            row["wall_s"] = time.perf_counter() - t_start
+            row["wall_s"] = prior_wall + time.perf_counter() - t_start
             writer.write(row)
             rewards.append(row["reward_mean"])
-            steps += 1
             recent = rewards[-20:]
             bar.set_postfix(reward=f"{sum(recent) / len(recent):.3f}",
                             kl=f"{row.get('kl', 0.0):.4f}")
             bar.update(1)
+            if cfg.checkpoint.every and trainer.iteration % cfg.checkpoint.every == 0:
+                ckpt.save(trainer, extra())
     except KeyboardInterrupt:
-        stopped = "interrupted"
+        stopped = "SIGINT"
     finally:
         bar.close()
         writer.close()
+        stop.restore()
+    ckpt.save(trainer, extra(), block=True)
+    if stopped in ("SIGINT", "SIGTERM"):
+        echo(f"stopped by {stopped} at step {trainer.iteration}; checkpoint written, "
+             f"continue with: orbitrl train --resume {run_dir}")
+        raise SystemExit(130 if stopped == "SIGINT" else 143)
     acc1 = trainer.evaluate(held)
     save_policy(trainer, run_dir / "checkpoints" / "final")
     summary = {
-        "heldout_accuracy_before": acc0, "heldout_accuracy_after": acc1, "steps": steps,
-        "optimizer_steps": trainer.step_idx, "stopped": stopped,
-        "wall_seconds": time.perf_counter() - t_start,
-        "train_seconds": time.perf_counter() - t_loop,
+        "heldout_accuracy_before": acc0, "heldout_accuracy_after": acc1,
+        "steps": trainer.iteration, "optimizer_steps": trainer.step_idx, "stopped": stopped,
+        "wall_seconds": prior_wall + time.perf_counter() - t_start,
         "reward_first_20": _mean(rewards[:20]), "reward_last_20": _mean(rewards[-20:]),
         "peak_memory_bytes": peak_rss_bytes(), "anchor_refreshes": trainer.anchors.events,
         "skipped_spike": trainer.guard.skipped_spike,
         "skipped_nonfinite": trainer.guard.skipped_nonfinite,
-        "mode": cfg.train.mode, "algo": cfg.algo.name,
+        "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": latest is not None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class _StopSignals:
+    """SIGTERM ends the loop after the current step (then a checkpoint is written)."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, self._on)
+        except ValueError:  # not the main thread
+            self._old = None
+
+    def _on(self, signum, frame):
+        self.signal = "SIGTERM"
+
+    def restore(self):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _rewrite_metrics(path: Path, rows: list[dict]):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
 
 
 def save_policy(trainer, out: Path):

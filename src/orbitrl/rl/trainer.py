@@ -67,6 +67,7 @@ class RLTrainer:
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.algo.value_lr)
         self.guard = GradNormGuard()
         self.snapshot = Snapshot(self.policy.trainable) if cfg.train.mode == "adapter" else None
+        self.iteration = 0  # steps run (skipped ones included): the metrics row key
         self.step_idx = 0  # optimizer steps taken = policy version
         self._fused_applied = 0
         self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
@@ -146,7 +147,7 @@ class RLTrainer:
 
                 lens = torch.tensor([len(s.completion_ids) for s in samples])
                 rewards = rewards + overlong_penalty(lens, r.max_tokens, algo.overlong_buffer)
-        row = {"step": self.step_idx, "reward_mean": float(torch.tensor(res.rewards).mean())}
+        row = {"step": self.iteration, "reward_mean": float(torch.tensor(res.rewards).mean())}
         row.update({k: v for k, v in res.metrics.items() if k != "reward_mean"})
         keep = torch.ones(len(samples), dtype=torch.bool)
         if algo.dynamic_sampling:
@@ -162,6 +163,7 @@ class RLTrainer:
             with timer.phase("train"):
                 row.update(self._update(**ctx))
         row.update(self._step_metrics(samples, gen_tokens, timer))
+        self.iteration += 1
         return row
 
     def _score(self, samples, rewards, keep) -> dict | None:

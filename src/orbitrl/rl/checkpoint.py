@@ -1,0 +1,158 @@
+"""Checkpoints of the whole RL state, written atomically without stalling training.
+
+A checkpoint is a directory ``checkpoints/step-000042/`` holding ``state.pt`` (trainable
+tensors, optimizer and critic state, data position and order, RNG states, anchors, guard,
+KL controller, policy version, step, held-out accuracy before training). It is written
+under ``step-000042.tmp`` and renamed when complete, and ``checkpoints/latest`` (a one-line
+file, replaced atomically) then points at it: a crash mid-write leaves the previous
+checkpoint and pointer intact. The state is copied to host memory on the training thread
+(the cost of the bytes) and written to disk on a background thread. Old checkpoints are
+rotated, keeping ``keep``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from orbitrl.errors import OrbitError
+
+
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def capture(tr, extra: dict) -> dict:
+    """Everything needed to continue the run bit for bit, copied to host memory."""
+    state = {
+        "step_idx": tr.step_idx,
+        "iteration": tr.iteration,
+        "data_pos": tr.data_pos,
+        "order": list(tr.order),
+        "trainable": [p.detach() for p in tr.policy.trainable],
+        "optimizer": tr.opt.state_dict(),
+        "fused_applied": tr._fused_applied,
+        "anchors": tr.anchors.state_dict(),
+        "guard": tr.guard.state_dict(),
+        "kl_coef": tr.kl_ctl.value,
+        "rng_python": random.getstate(),
+        "rng_torch": torch.get_rng_state(),
+        "rng_engine": tr.engine.rng.get_state(),
+        "extra": extra,
+    }
+    if tr.critic is not None:
+        state["critic"] = tr.critic.state_dict()
+        state["critic_opt"] = tr.critic_opt.state_dict()
+    if torch.cuda.is_available():
+        state["rng_cuda"] = torch.cuda.get_rng_state_all()
+    return _cpu(state)
+
+
+def restore(tr, state: dict):
+    with torch.no_grad():
+        for p, s in zip(tr.policy.trainable, state["trainable"]):
+            p.copy_(s.to(p.device))
+    tr.opt.load_state_dict(state["optimizer"])
+    tr._fused_applied = state["fused_applied"]
+    tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
+    tr.iteration = state["iteration"]
+    tr.anchors.load_state_dict(state["anchors"])
+    tr.guard.load_state_dict(state["guard"])
+    tr.kl_ctl.value = state["kl_coef"]
+    random.setstate(state["rng_python"])
+    torch.set_rng_state(state["rng_torch"])
+    tr.engine.rng.set_state(state["rng_engine"])
+    if "rng_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    if tr.critic is not None:
+        tr.critic.load_state_dict(state["critic"])
+        tr.critic_opt.load_state_dict(state["critic_opt"])
+    if tr.snapshot is not None:
+        tr.snapshot.save()
+
+
+class Checkpointer:
+    def __init__(self, root: Path, keep: int = 2):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = max(1, keep)
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.written: list[int] = []
+
+    def save(self, tr, extra: dict, block: bool = False):
+        """Snapshot now (host copy), write in the background; ``block`` waits for it."""
+        self.wait()
+        state = capture(tr, extra)
+        step = state["iteration"]
+        self._thread = threading.Thread(target=self._write, args=(state, step), daemon=False)
+        self._thread.start()
+        if block:
+            self.wait()
+
+    def wait(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise OrbitError(f"{self.root}: checkpoint write failed ({err})")
+
+    def _write(self, state: dict, step: int):
+        try:
+            final = self.root / f"step-{step:06d}"
+            tmp = self.root / f"step-{step:06d}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _atomic_text(self.root / "latest", final.name)
+            self.written.append(step)
+            self._rotate()
+        except BaseException as e:  # surfaced on the training thread at the next wait()
+            self.error = e
+
+    def _rotate(self):
+        steps = sorted(p for p in self.root.glob("step-*") if p.is_dir()
+                       and not p.name.endswith(".tmp"))
+        for p in steps[:-self.keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        ptr = self.root / "latest"
+        if not ptr.exists():
+            return None
+        p = self.root / ptr.read_text().strip()
+        return p if (p / "state.pt").exists() else None
+
+    @staticmethod
+    def load(path: Path) -> dict:
+        try:
+            return torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise OrbitError(f"{path / 'state.pt'}: unreadable checkpoint ({e})") from None
+
+
+def _atomic_text(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
