@@ -69,6 +69,7 @@ class RolloutSection:
     kv_dtype: Literal["model", "fp8"] = "model"
     kv_budget_mb: float = 256.0
     block_size: int = 16
+    timeout_s: float = 300.0  # watchdog: a rollout past this drops its unfinished samples
 
 
 @dataclass

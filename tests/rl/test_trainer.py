@@ -132,3 +132,19 @@ def test_full_mode_spike_is_vetoed_before_any_update():
     assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
     assert tr.opt.stats.vetoed == 1
     assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+def test_watchdog_drops_a_rollout_past_its_limit_and_the_step_completes():
+    tr = make("reward.name=test_length", "rollout.timeout_s=1e-9")
+    row = tr.step()  # nothing can finish in a nanosecond: every group is dropped
+    assert row["watchdog"] == 1 and row["groups_kept"] == 0 and row["step_skipped"] == 1
+    tr.cfg.rollout.timeout_s = 300.0
+    row = tr.step()  # the engine released everything: the next step runs normally
+    assert row["watchdog"] == 0 and row["groups_kept"] == 2 and row["step_skipped"] == 0
+
+
+def test_kv_budget_below_need_completes_through_preemption():
+    tr = make("reward.name=test_length", "rollout.kv_budget_mb=0.05", "rollout.block_size=4")
+    row = tr.step()
+    assert row["step_skipped"] == 0 and row["groups_kept"] == 2
+    assert tr.engine.summary()["preemptions"] > 0

@@ -134,7 +134,8 @@ class Engine:
         return out
 
     def generate(self, requests: list, params: SamplingParams | list | None = None, *,
-                 progress: bool = False, stop_fn=None) -> list[RequestOutput]:
+                 progress: bool = False, stop_fn=None,
+                 deadline_s: float | None = None) -> list[RequestOutput]:
         """Generate for a batch of requests.
 
         Args:
@@ -144,6 +145,9 @@ class Engine:
             progress: show a tqdm bar over samples.
             stop_fn: optional ``(request_index, sample, completion_ids) -> bool`` checked
                 after every token; True ends that sample (finish_reason "stop").
+            deadline_s: watchdog; past this many seconds every unfinished sample is dropped
+                and its KV released (counted in ``stats["aborted"]``); finished samples are
+                returned as usual, so a request may come back with fewer than n samples.
         Returns:
             one RequestOutput per request, in input order; rejected requests carry ``error``
             and no samples, and do not affect the others.
@@ -165,6 +169,11 @@ class Engine:
         t0 = time.perf_counter()
         with tqdm(total=total, disable=not progress, unit="sample") as bar:
             while self.scheduler.has_work():
+                if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                    dropped = self.scheduler.abort_all()
+                    self.stats["aborted"] = self.stats.get("aborted", 0) + len(dropped)
+                    self.stats["watchdog_events"] = self.stats.get("watchdog_events", 0) + 1
+                    break
                 bar.update(len(self.step()))
         self.stats["seconds"] += time.perf_counter() - t0
         for i, seqs in self._done.items():

@@ -51,6 +51,17 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free_seq(seq)
 
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence and release its KV (the watchdog's exit)."""
+        dropped = self.running + self.waiting + self.swapped
+        for seq in dropped:
+            self.pool.free_seq(seq)
+            seq.swap = None
+            seq.status = Status.FINISHED
+            seq.finish_reason = "aborted"
+        self.running, self.waiting, self.swapped = [], [], []
+        return dropped
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

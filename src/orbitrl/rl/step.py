@@ -17,16 +17,20 @@ from orbitrl.rl.types import Sample
 
 
 def rollout(engine, prompts: list[list[int]], rows: list[dict], params: SamplingParams,
-            version: int, seed: int) -> list[Sample]:
-    """n samples per prompt from the engine, groups adjacent, in prompt order."""
+            version: int, seed: int, deadline_s: float | None = None) -> list[Sample]:
+    """n samples per prompt from the engine, groups adjacent, in prompt order. Past the
+    watchdog deadline the engine drops unfinished samples; a group left with fewer than n
+    samples is dropped whole (group statistics need all n)."""
     reqs = [Request(prompt_ids=p, params=SamplingParams(**{**params.__dict__,
                                                             "seed": seed * 100003 + i}))
             for i, p in enumerate(prompts)]
-    outs = engine.generate(reqs)
+    outs = engine.generate(reqs, deadline_s=deadline_s)
     samples = []
     for g, (out, p, row) in enumerate(zip(outs, prompts, rows)):
         if out.error is not None:
             raise OrbitError(f"rollout request {g}: {out.error}")
+        if len(out.samples) < params.n:
+            continue
         for c in out.samples:
             samples.append(Sample(g, p, c.token_ids, c.logprobs, c.finish_reason,
                                   c.text or "", row, version))

@@ -133,9 +133,18 @@ class RLTrainer:
             params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
                                     top_p=r.top_p, top_k=r.top_k)
             gen0 = self.engine.stats["generated_tokens"]
+            wd0 = self.engine.stats.get("watchdog_events", 0)
             samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows], rows,
-                              params, self.step_idx, cfg.train.seed * 7919 + self.step_idx)
+                              params, self.step_idx, cfg.train.seed * 7919 + self.step_idx,
+                              deadline_s=r.timeout_s or None)
             gen_tokens = self.engine.stats["generated_tokens"] - gen0
+        watchdog = self.engine.stats.get("watchdog_events", 0) - wd0
+        if not samples:  # the watchdog dropped every group: nothing to learn from
+            row = {"step": self.iteration, "reward_mean": 0.0, "step_skipped": 1,
+                   "watchdog": watchdog, "groups_kept": 0}
+            row.update(self._step_metrics([], gen_tokens, timer))
+            self.iteration += 1
+            return row
         with timer.phase("reward"):
             res = self.rewards([s.fields[d.prompt_field] for s in samples],
                                [s.text for s in samples],
@@ -147,7 +156,8 @@ class RLTrainer:
 
                 lens = torch.tensor([len(s.completion_ids) for s in samples])
                 rewards = rewards + overlong_penalty(lens, r.max_tokens, algo.overlong_buffer)
-        row = {"step": self.iteration, "reward_mean": float(torch.tensor(res.rewards).mean())}
+        row = {"step": self.iteration, "reward_mean": float(torch.tensor(res.rewards).mean()),
+               "watchdog": watchdog, "groups_kept": len(samples) // r.n}
         row.update({k: v for k, v in res.metrics.items() if k != "reward_mean"})
         keep = torch.ones(len(samples), dtype=torch.bool)
         if algo.dynamic_sampling:
@@ -312,11 +322,11 @@ class RLTrainer:
         return out
 
     def _step_metrics(self, samples, gen_tokens, timer) -> dict:
-        lens = [len(s.completion_ids) for s in samples]
+        lens = [len(s.completion_ids) for s in samples] or [0]
         return {
             "policy_version": self.step_idx,
             "completion_len_mean": sum(lens) / len(lens),
-            "truncated_frac": sum(s.truncated for s in samples) / len(samples),
+            "truncated_frac": sum(s.truncated for s in samples) / max(1, len(samples)),
             "tokens_per_s": gen_tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
             "peak_memory_bytes": device_peak_bytes(self.device),
             **{f"time_{k}_s": v for k, v in timer.seconds.items()},
