@@ -26,11 +26,12 @@ from make_builtin_model import OUT, build
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=3000, help="length of the lr schedule")
+    ap.add_argument("--stop-at", type=int, default=1000, help="stop after this many steps")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--out", default=None, help="write here instead of the built-in dir")
     ap.add_argument("--save-each", default=None, help="also save a copy at every eval")
     a = ap.parse_args()
@@ -44,8 +45,8 @@ if __name__ == "__main__":
     reward, lenient = get_reward("exact_match"), get_reward("arithmetic")
     t0 = time.time()
     done = 0
-    while done < a.steps:
-        k = min(a.eval_every, a.steps - done)
+    while done < min(a.steps, a.stop_at):
+        k = min(a.eval_every, min(a.steps, a.stop_at) - done)
         # one cosine schedule over the whole run, evaluated every eval_every steps
         cfg = SFTConfig(lr=a.lr, steps=a.steps, batch_size=a.batch_size, warmup=20, seed=a.seed + done)
         train_sft(model, pairs, cfg, None, start=done, stop=done + k)

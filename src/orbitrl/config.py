@@ -43,14 +43,15 @@ class LoraSection:
 @dataclass
 class TrainSection:
     mode: Literal["adapter", "full"] = "adapter"
-    optimizer: Literal["adamw", "sgd", "adalomo"] = "adamw"
-    lr: float = 1e-4
+    # auto: AdamW for adapters, the stateless fused AdaLomo-style update for full mode
+    optimizer: Literal["auto", "adamw", "sgd", "adalomo"] = "auto"
+    lr: float = 1e-3
     min_lr: float = 0.0
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     weight_decay: float = 0.0
     max_grad_norm: float = 0.3
-    max_steps: int = 100
+    max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
     micro_batch_tokens: int = 4096
     recompute: bool = False
@@ -65,7 +66,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 16
+    max_tokens: int = 8
     kv_dtype: Literal["model", "fp8"] = "model"
     kv_budget_mb: float = 256.0
     block_size: int = 16

@@ -41,15 +41,17 @@ QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.
 
 def _torchao():
     """Import torchao quietly (its optional CUDA extensions log load failures on CPU)."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    logs = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in logs]
+    for lg in logs:  # torchao's import also trips a torch deprecation notice per enum
+        lg.setLevel(logging.ERROR)
     try:
         from torchao.quantization import Int8Tensor, NF4Tensor  # noqa: F401
         import torchao.quantization as q
         return q
     finally:
-        log.setLevel(level)
+        for lg, lv in zip(logs, levels):
+            lg.setLevel(lv)
 
 
 def check_format(fmt: str, device="cpu", key: str = "base_format") -> None:

@@ -54,17 +54,23 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
+    # the built-in task also reports whether the number was right in any format, so the
+    # share of a gain that is arithmetic and the share that is answer format are visible
+    lenient = "arithmetic" if not cfg.data.train and cfg.reward.name == "exact_match" else None
     latest = ckpt.latest() if resume else None
     if latest is not None:
         state = Checkpointer.load(latest)
         restore(trainer, state)
         acc0 = state["extra"]["heldout_accuracy_before"]
+        num0 = state["extra"].get("heldout_number_accuracy_before")
         prior_wall = state["extra"].get("wall_seconds", 0.0)
         echo(f"resumed from {latest} at step {trainer.iteration}")
     else:
         acc0 = trainer.evaluate(held)
+        num0 = trainer.evaluate(held, lenient) if lenient else None
         prior_wall = 0.0
         echo(f"held-out accuracy before: {acc0:.3f}")
+
     # each step appears once: drop rows logged after the checkpoint we continue from
     kept = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] < trainer.iteration]
     _rewrite_metrics(run_dir / "metrics.jsonl", kept)
@@ -77,7 +83,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     stopped = "max_steps"
 
     def extra():
-        return {"heldout_accuracy_before": acc0,
+        return {"heldout_accuracy_before": acc0, "heldout_number_accuracy_before": num0,
                 "wall_seconds": prior_wall + time.perf_counter() - t_start}
 
     try:
@@ -110,6 +116,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
              f"continue with: orbitrl train --resume {run_dir}")
         raise SystemExit(130 if stopped == "SIGINT" else 143)
     acc1 = trainer.evaluate(held)
+    extra_acc = {}
+    if lenient:
+        extra_acc = {"heldout_number_accuracy_before": num0,
+                     "heldout_number_accuracy_after": trainer.evaluate(held, lenient)}
     save_policy(trainer, run_dir / "checkpoints" / "final")
     summary = {
         "heldout_accuracy_before": acc0, "heldout_accuracy_after": acc1,
@@ -120,6 +130,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
         "skipped_spike": trainer.guard.skipped_spike,
         "skipped_nonfinite": trainer.guard.skipped_nonfinite,
         "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": latest is not None,
+        **extra_acc,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -169,6 +180,10 @@ def _mean(xs):
 def print_summary(summary: dict, run_dir: Path, echo=print):
     rows = [("held-out accuracy before", f"{summary['heldout_accuracy_before']:.3f}"),
             ("held-out accuracy after", f"{summary['heldout_accuracy_after']:.3f}"),
+            *([("held-out number right, any format (before -> after)",
+                f"{summary['heldout_number_accuracy_before']:.3f} -> "
+                f"{summary['heldout_number_accuracy_after']:.3f}")]
+              if "heldout_number_accuracy_after" in summary else []),
             ("steps", str(summary["steps"])),
             ("reward (first 20 -> last 20 steps)",
              f"{summary['reward_first_20']:.3f} -> {summary['reward_last_20']:.3f}"),

@@ -77,11 +77,14 @@ class RLTrainer:
     def _optimizer(self):
         t = self.cfg.train
         params = self.policy.trainable
-        if t.mode == "adapter" or t.optimizer == "adamw":
+        name = t.optimizer
+        if name == "auto":
+            name = "adamw" if t.mode == "adapter" else "adalomo"
+        if name == "adamw":
             return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         from orbitrl.train.optim import build_optimizer
 
-        opt = build_optimizer(t.optimizer, params, t.lr, max_grad_norm=t.max_grad_norm)
+        opt = build_optimizer(name, params, t.lr, max_grad_norm=t.max_grad_norm)
         # the heartbeat vetoes a spiking update between the two passes: nothing is applied,
         # so no snapshot of the full weights is needed
         opt.veto = lambda norm: not self.guard.ok(norm)
@@ -113,13 +116,16 @@ class RLTrainer:
 
     # ---- evaluation ----------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, rows: list[dict]) -> float:
+    def evaluate(self, rows: list[dict], reward: str | None = None) -> float:
+        """Greedy accuracy (mean reward) on rows, with the run's reward or a named one."""
         d = self.cfg.data
         prompts = [self.encode(r[d.prompt_field]) for r in rows]
         params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0)
         samples = rollout(self.engine, prompts, rows, params, self.step_idx, 0)
-        res = self.rewards([r[d.prompt_field] for r in rows], [s.text for s in samples],
-                           [reward_fields(r, d.prompt_field, d.answer_field) for r in rows])
+        runner = self.rewards if reward is None else RewardRunner(
+            [RewardSource(get_reward(reward), name=reward)], timeout_s=self.cfg.reward.timeout_s)
+        res = runner([r[d.prompt_field] for r in rows], [s.text for s in samples],
+                     [reward_fields(r, d.prompt_field, d.answer_field) for r in rows])
         return float(sum(res.rewards) / max(1, len(rows)))
 
     # ---- the step ------------------------------------------------------------------
