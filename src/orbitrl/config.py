@@ -115,8 +115,10 @@ class DataSection:
 
 @dataclass
 class RewardSection:
-    name: str = "exact_match"
-    timeout_s: float = 5.0
+    name: str = "exact_match"  # registered name, pkg.module:func, or rm:MODEL_DIR
+    extra: list = field(default_factory=list)  # more reward sources, summed
+    weights: list = field(default_factory=list)  # one weight per source (default all 1)
+    timeout_s: float = 5.0  # per call; a reward past it scores 0 and is counted
 
 
 @dataclass

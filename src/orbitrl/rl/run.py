@@ -44,7 +44,9 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     from orbitrl.rl.checkpoint import Checkpointer, restore
     from orbitrl.rl.trainer import RLTrainer
 
-    get_reward(cfg.reward.name)  # fail on a bad name before loading anything
+    for name in [cfg.reward.name, *cfg.reward.extra]:  # fail on a bad name before loading
+        if not str(name).startswith("rm:"):
+            get_reward(name)
     train_rows, held = load_data(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")

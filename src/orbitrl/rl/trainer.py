@@ -27,6 +27,27 @@ from orbitrl.train.optim import is_fused
 from orbitrl.rl.step import actor_loss, compute_advantages, ppo_advantages, rollout
 
 
+def reward_sources(rc) -> list:
+    """``reward.name`` plus ``reward.extra`` (weights in ``reward.weights``); a name
+    ``rm:DIR`` is a reward model directory (see rl/reward_model.py)."""
+    names = [rc.name] + list(rc.extra)
+    weights = list(rc.weights) or [1.0] * len(names)
+    if len(weights) != len(names):
+        from orbitrl.errors import OrbitError
+
+        raise OrbitError(f"config key 'reward.weights': {len(weights)} weights for "
+                         f"{len(names)} reward sources")
+    out = []
+    for n, w in zip(names, weights):
+        if str(n).startswith("rm:"):
+            from orbitrl.rl.reward_model import RewardModel
+
+            out.append(RewardSource(RewardModel(n[3:]), weight=w, name="rm"))
+        else:
+            out.append(RewardSource(get_reward(n), weight=w, name=n))
+    return out
+
+
 def seed_everything(seed: int, deterministic: bool = False):
     random.seed(seed)
     torch.manual_seed(seed)
@@ -51,9 +72,7 @@ class RLTrainer:
         self.order = list(range(len(train_rows)))
         random.Random(cfg.train.seed).shuffle(self.order)
         self.data_pos = 0
-        self.rewards = RewardRunner([RewardSource(get_reward(cfg.reward.name),
-                                                  name=cfg.reward.name)],
-                                    timeout_s=cfg.reward.timeout_s)
+        self.rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
         self.opt = self._optimizer()
         self.anchors = Anchors(self.model, self.policy.reference, cfg.algo.anchor_refresh_steps,
                                cfg.algo.anchor_kl_threshold)
