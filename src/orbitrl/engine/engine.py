@@ -91,6 +91,7 @@ class Engine:
         self._arrival = 0
         self._done: dict[int, list[Sequence]] = {}
         self.stop_fn = None
+        self.timeline: list[tuple[int, int, float]] = []
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, seconds=0.0)
 
     # ---- requests -------------------------------------------------------------------
@@ -163,7 +164,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params] * len(reqs)
         outs = [self.add_request(i, r, r.params or p or SamplingParams())
                 for i, (r, p) in enumerate(zip(reqs, plist))]
-        self.stop_fn, self._done = stop_fn, {}
+        self.stop_fn, self._done, self.timeline = stop_fn, {}, []
         total = sum(r.params.n if r.params else (p or SamplingParams()).n
                     for r, p, o in zip(reqs, plist, outs) if o.error is None)
         t0 = time.perf_counter()
@@ -192,8 +193,14 @@ class Engine:
             self.cache.load(seq.block_table, seq.swap)
             seq.swap = None
         self.cache.copy_blocks(batch.copies)
+        t0 = time.perf_counter()
         logits, seqs = self.runner.run(batch.items)
-        return self.postprocess(batch.items, logits, seqs)
+        out = self.postprocess(batch.items, logits, seqs)
+        # (sequences in the batch, tokens computed, seconds): the long tail shows up as
+        # steps with few sequences (see orbitrl.observe.flops)
+        self.timeline.append((len(batch.items), sum(n for _, n in batch.items),
+                              time.perf_counter() - t0))
+        return out
 
     def postprocess(self, items, logits, seqs: list[Sequence]) -> list[Sequence]:
         for seq, n in items:
