@@ -62,11 +62,11 @@ def _shard(nbytes: float, n: int) -> int:
 
 
 def _frozen_terms(role: str, params: int, dtype: str, tier: str, layers: int, n: int, tp: int,
-                  depth: int, phases: dict, host: dict) -> None:
+                  depth: int, phases: dict, host: dict, whole: int | None = None) -> None:
     """A frozen model used for scoring: resident shard on device, or on the host with layers pulled."""
     if params <= 0 or tier == "none":
         return
-    whole = params * PARAM_BYTES[dtype]
+    whole = whole if whole is not None else params * PARAM_BYTES[dtype]
     layer = whole / layers
     if tier == "device":
         for p in PHASES:
@@ -130,7 +130,8 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
     # frozen roles
     ref_tier = "none" if strategy.kind == "adapter" else roles.reference
     _frozen_terms("reference", shape.total_params, roles.ref_dtype, ref_tier, shape.num_layers,
-                  n, tp, prefetch_depth, phases, host)
+                  n, tp, prefetch_depth, phases, host,
+                  whole=strategy.frozen_bytes(shape, roles.ref_dtype))
     _frozen_terms("reward", roles.reward_params, roles.reward_dtype, roles.reward_tier,
                   shape.num_layers, n, tp, prefetch_depth, phases, host)
 
@@ -141,16 +142,17 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
     seqs = math.ceil(concurrent / n)
     phases["rollout"]["rollout_kv:blocks"] = _shard(
         blocks * kv_block_bytes(shape, work.kv_dtype, work.block_size), n)
-    phases["rollout"]["activations:decode"] = forward_bytes(shape, seqs, 1)
+    phases["rollout"]["activations:decode"] = forward_bytes(shape, seqs, 1, work.act_bytes)
     phases["rollout"]["activations:logits"] = logits_bytes(shape, seqs, seqs, grad=False)
     if gathers and roles.offload >= 2:
         phases["rollout"]["comm_buffers:gather"] = int((prefetch_depth + 1) * layer_w / tp)
 
     # score and train: activations of one micro batch
     tokens = work.micro * work.seq_len
-    phases["score"]["activations:forward"] = forward_bytes(shape, tokens, tp)
+    phases["score"]["activations:forward"] = forward_bytes(shape, tokens, tp, work.act_bytes)
     phases["score"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, False)
-    phases["train"]["activations:saved"] = activation_bytes(shape, tokens, work.recompute, tp)
+    phases["train"]["activations:saved"] = activation_bytes(shape, tokens, work.recompute, tp,
+                                                           work.act_bytes)
     phases["train"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, True)
     if with_host:
         phases["host"] = host

@@ -51,6 +51,9 @@ class Strategy:
     frozen base of ``adapter``. ``offload_optimizer`` keeps master weights and moments on the host.
     ``int4_group``: values per bf16 scale of an int4 base (128 by default; pass
     ``formats.INT4_GROUP`` to predict orbitrl's own default int4 layout).
+    ``dense_dtype``: storage of the tensors a quantized frozen model leaves unquantized
+    (embeddings, lm head, norms, biases); ``None`` prices them like the projections (the
+    planner's default); the runtime passes its compute dtype, as its quantizer does.
     """
 
     kind: str = "stateless"
@@ -60,11 +63,14 @@ class Strategy:
     grad_dtype: str = "bf16"
     offload_optimizer: bool = False
     int4_group: int = PLANNER_INT4_GROUP
+    dense_dtype: str | None = None
 
     def __post_init__(self):
         if self.kind not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.kind!r}; one of {', '.join(STRATEGIES)}")
-        for f in ("base_dtype", "weight_dtype", "grad_dtype"):
+        for f in ("base_dtype", "weight_dtype", "grad_dtype", "dense_dtype"):
+            if f == "dense_dtype" and self.dense_dtype is None:
+                continue
             if getattr(self, f) not in PARAM_BYTES:
                 raise ValueError(f"unknown {f} {getattr(self, f)!r}")
         if self.int4_group <= 0:
@@ -78,6 +84,47 @@ class Strategy:
     def bytes_per_param(self, fmt: str | None = None) -> float:
         """Bytes per parameter of ``fmt`` (default: the stored weights) under this strategy."""
         return param_bytes(fmt or self.stored_dtype, self.int4_group)
+
+    def frozen_bytes(self, shape: ModelShape, fmt: str | None = None) -> int:
+        """A whole frozen model stored in ``fmt`` (default: the stored weights): decoder
+        projections in ``fmt``, the rest (embeddings, norms) in ``dense_dtype`` if set."""
+        bpp = self.bytes_per_param(fmt)
+        if self.dense_dtype is None:
+            return int(shape.total_params * bpp)
+        proj = projection_params(shape)
+        return int(proj * bpp + (shape.total_params - proj) * PARAM_BYTES[self.dense_dtype])
+
+
+# Bytes per weight element of the transient workspace of one dequantization to fp32 (the
+# compute dtype of CPU runs), read off the kernels orbitrl.model.quant calls:
+# - nf4 (torchao NF4Tensor.get_original_weight): the two halves of the codes as int64
+#   (8 B per element in all), their code-book values in fp32 (4 B), the halves scaled
+#   (4 B), and the interleaved fp32 result (4 B): 20 B;
+# - int8 (torchao Int8Tensor.dequantize): the codes cast to fp32 (4 B) and the scaled
+#   result (4 B): 8 B;
+# - bf16 -> fp32: the cast result, 4 B.
+# (Measured on one 1536 x 512 layer with the peak-RSS probe: 15.1 MiB for nf4 = 20.1 B and
+# 5.9 MiB for int8 = 7.9 B per element.)
+DEQUANT_WORKSPACE = {"nf4": 20, "int8": 8, "bf16": 4, "fp16": 4}
+
+
+def largest_projection_params(shape: ModelShape) -> int:
+    """Elements of the largest decoder-layer projection (what is dequantized per call)."""
+    q = shape.num_heads * shape.head_dim
+    f = shape.expert_intermediate if shape.is_moe else shape.intermediate
+    return shape.hidden * max(f, q, shape.kv_dim)
+
+
+def largest_tensor_params(shape: ModelShape) -> int:
+    """Elements of the model's largest single weight (embedding, a projection, the lm head)."""
+    q = shape.num_heads * shape.head_dim
+    f = shape.expert_intermediate if shape.is_moe else shape.intermediate
+    return max(shape.vocab * shape.hidden, shape.hidden * max(f, 1), shape.hidden * q)
+
+
+def projection_params(shape: ModelShape) -> int:
+    """Parameters of the decoder layers' projections (what a quantizer quantizes)."""
+    return shape.num_layers * (shape.layer_params - 2 * shape.hidden)
 
 
 @dataclass(frozen=True)
@@ -96,6 +143,7 @@ class Workload:
             the planner picks it (see ``orbitrl.ledger.plan``); plain callers get 1.
         samples_per_step: sequences of one RL step (sets step time and the KV the step needs).
         kv_dtype: KV storage (bf16, fp8: half the bytes); block_size: tokens per KV block.
+        act_bytes: bytes per activation element (2 for bf16 compute, 4 for fp32 on CPUs).
         recompute: per-layer activation checkpointing (keeps one residual per layer, redoes
             the layer in backward: about 4/3 the compute).
         logit_chunk: tokens per chunk of the chunked logprob (bounds the fp32 logits).
@@ -111,6 +159,7 @@ class Workload:
     recompute: bool = True
     logit_chunk: int = 1024
     min_rollout_seqs: int = DEFAULT_MIN_ROLLOUT_SEQS
+    act_bytes: int = 2
 
     @property
     def seq_len(self) -> int:
@@ -165,12 +214,14 @@ def state_bytes(shape: ModelShape, strategy: Strategy) -> StateBytes:
     p = shape.total_params
     if strategy.kind == "adapter":
         a = shape.adapter_params(strategy.adapter_rank)
-        return StateBytes(weights=int(p * strategy.bytes_per_param()) + 2 * a, grads=2 * a,
+        return StateBytes(weights=strategy.frozen_bytes(shape) + 2 * a, grads=2 * a,
                           master=4 * a, optimizer=8 * a, layer_grad=0)
     w = int(p * strategy.bytes_per_param())
     g = int(p * PARAM_BYTES[strategy.grad_dtype])
     if strategy.kind == "adamw":
-        return StateBytes(weights=w, grads=g, master=4 * p, optimizer=8 * p, layer_grad=0)
+        # fp32 weights are their own master copy (CPU runs train in fp32)
+        master = 0 if strategy.weight_dtype == "fp32" else 4 * p
+        return StateBytes(weights=w, grads=g, master=master, optimizer=8 * p, layer_grad=0)
     layer_grad = int(shape.gathered_layer_params * PARAM_BYTES[strategy.grad_dtype])
     return StateBytes(weights=w, grads=0, master=0, optimizer=0, layer_grad=layer_grad)
 
@@ -197,24 +248,25 @@ def layer_activation_elems(shape: ModelShape) -> int:
     return 5 * shape.hidden + 2 * q + 2 * shape.kv_dim + 4 * f
 
 
-def activation_bytes(shape: ModelShape, tokens: int, recompute: bool, tp: int = 1) -> int:
+def activation_bytes(shape: ModelShape, tokens: int, recompute: bool, tp: int = 1,
+                     elem: int = 2) -> int:
     """Saved activations for a backward over ``tokens`` tokens on one device (bf16).
 
     With recompute each layer keeps only its input (h) and one layer's full set is live
     during its recomputation; without, every layer keeps its full set. Tensor parallelism
     with sequence parallelism splits both by ``tp``.
     """
-    per_layer = 2 * tokens * layer_activation_elems(shape)
+    per_layer = elem * tokens * layer_activation_elems(shape)
     if recompute:
-        total = 2 * tokens * shape.hidden * shape.num_layers + per_layer
+        total = elem * tokens * shape.hidden * shape.num_layers + per_layer
     else:
         total = per_layer * shape.num_layers
     return total // tp
 
 
-def forward_bytes(shape: ModelShape, tokens: int, tp: int = 1) -> int:
+def forward_bytes(shape: ModelShape, tokens: int, tp: int = 1, elem: int = 2) -> int:
     """Live activations of a no-grad forward (scoring, prefill): one layer at a time."""
-    return 2 * tokens * layer_activation_elems(shape) // tp
+    return elem * tokens * layer_activation_elems(shape) // tp
 
 
 def logits_bytes(shape: ModelShape, tokens: int, chunk: int, grad: bool) -> int:
@@ -261,6 +313,66 @@ def predict_peak(model, strategy: Strategy | str, workload: Workload | None = No
     terms = phase_terms(shape, strat, workload or Workload(), devices=devices,
                         prefetch_depth=prefetch_depth, kv_blocks=kv_blocks)
     out = {phase: sum(t.values()) for phase, t in terms.items()}
+    out["peak"] = max(out.values())
+    out["terms"] = terms
+    return out
+
+
+def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
+                       kv_dtype: str | None = None, device: str = "cpu",
+                       recompute: bool = False) -> dict:
+    """:func:`predict_peak` for one orbitrl run (``orbitrl.config.Config``) on one device.
+
+    Maps the run to the ledger's inputs: strategy from ``train.mode`` / ``train.optimizer``
+    / ``model.base_dtype`` / ``lora.rank``, weights and activations in ``model.dtype``,
+    the workload from ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the
+    longest prompt of the task, in tokens), the KV pool as the engine allocated it. On a CPU
+    device the host tier is the same memory, so host terms (the full-parameter mode's int8
+    reference) are added to every phase.
+    """
+    t, r = cfg.train, cfg.rollout
+    compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
+    if t.mode == "adapter":
+        base = {"fp32": compute, "bf16": "bf16"}.get(cfg.model.base_dtype, cfg.model.base_dtype)
+        strat = Strategy("adapter", base_dtype=base, adapter_rank=cfg.lora.rank,
+                         dense_dtype=compute)
+    else:
+        opt = t.optimizer if t.optimizer != "auto" else "adalomo"
+        strat = Strategy("adamw" if opt == "adamw" else "stateless", weight_dtype=compute,
+                         grad_dtype=compute, dense_dtype=compute)
+    seq_len = prompt_len + r.max_tokens
+    samples = r.n * r.prompts_per_step
+    work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
+                    micro_batch=max(1, min(samples, t.micro_batch_tokens // seq_len)),
+                    samples_per_step=samples, block_size=r.block_size,
+                    kv_dtype=kv_dtype or compute, recompute=recompute,
+                    act_bytes=int(PARAM_BYTES[compute]))
+    from orbitrl.ledger.bill import RoleOptions, phase_terms
+    shape = from_config(hf_config)
+    roles = RoleOptions(reference="host" if t.mode == "full" else "none")
+    terms = phase_terms(shape, strat, work, kv_blocks=kv_blocks, roles=roles, with_host=True)
+    host = terms.pop("host")
+    # orbitrl's engine allocates its KV pool once and keeps it: resident in every phase
+    kv = terms["rollout"]["rollout_kv:blocks"]
+    terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv
+    if strat.kind == "stateless":
+        # one process, the update fused into backward per parameter (not per gathered
+        # layer): the largest trained tensor's gradient plus one update temporary of its size
+        terms["train"].pop("actor:layer_grad", None)
+        terms["train"]["actor:update_workspace"] = int(
+            2 * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
+    # a frozen projection is dequantized to the compute dtype per call (forward, and again in
+    # backward): the workspace of the largest projection is live on top of everything else
+    proj = largest_projection_params(shape)
+    if strat.kind == "adapter" and strat.base_dtype != compute:
+        for ph in terms.values():
+            ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
+    elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
+        terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
+    if device != "cuda":
+        for ph in terms.values():
+            ph.update({f"host:{k}": b for k, b in host.items()})
+    out = {phase: sum(tm.values()) for phase, tm in terms.items()}
     out["peak"] = max(out.values())
     out["terms"] = terms
     return out

@@ -94,3 +94,45 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             break  # a torn last line from a killed writer
     return rows
+
+
+class ExternalWriters:
+    """TensorBoard and wandb writers, when asked for (``log.tensorboard``, ``log.wandb``)
+    and installed; asking for one that is not installed is a one-line error."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: bool = False,
+                 config: dict | None = None):
+        from orbitrl.errors import OrbitError
+
+        self.tb = self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise OrbitError("config key 'log.tensorboard': needs the tensorboard package "
+                                 "(pip install tensorboard)") from None
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                raise OrbitError("config key 'log.wandb': needs the wandb package "
+                                 "(pip install wandb)") from None
+            self.wb = wb.init(project="orbitrl", dir=str(run_dir), config=config or {},
+                              name=Path(run_dir).name)
+
+    def write(self, row: dict):
+        step = int(row.get("step", 0))
+        nums = {k: float(v) for k, v in row.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.tb is not None:
+            for k, v in nums.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log(nums, step=step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()

@@ -132,6 +132,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
         "skipped_spike": trainer.guard.skipped_spike,
         "skipped_nonfinite": trainer.guard.skipped_nonfinite,
         "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": latest is not None,
+        **trainer.mem.summary(),
         **extra_acc,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -15,7 +15,8 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.engine import Engine, SamplingParams
-from orbitrl.observe.metrics import PhaseTimer, device_peak_bytes
+from orbitrl.observe.memory import MemoryProbe, run_prediction
+from orbitrl.observe.metrics import device_peak_bytes
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
 from orbitrl.rl.anchors import Anchors
 from orbitrl.rl.batch import micro_batches, pack, score
@@ -62,6 +63,7 @@ class RLTrainer:
         self.cfg = cfg
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.device = pick_device(cfg.model.device)
+        self.mem = MemoryProbe(self.device)  # baseline: before the model is loaded
         self.policy = build_policy(cfg, self.device)
         self.model, self.tok = self.policy.model, self.policy.tokenizer
         r = cfg.rollout
@@ -91,6 +93,10 @@ class RLTrainer:
         self._fused_applied = 0
         self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
                              dropped_groups=0, reward_errors=0)
+        prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
+        self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len)
+        self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
+                        self.critic, self.critic_opt)
 
     # ---- setup ---------------------------------------------------------------------
     def _optimizer(self):
@@ -150,7 +156,7 @@ class RLTrainer:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> dict:
         cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
-        timer = PhaseTimer(self.device)
+        timer = self.mem.timer()  # a PhaseTimer that also measures each phase's peak
         rows = self.next_prompts()
         d = cfg.data
         with timer.phase("rollout"):
@@ -356,6 +362,7 @@ class RLTrainer:
             "peak_memory_bytes": device_peak_bytes(self.device),
             **{f"time_{k}_s": v for k, v in timer.seconds.items()},
             **{f"mem_{k}_bytes": v for k, v in timer.memory.items()},
+            **self.mem.step_metrics(timer),
         }
 
 
