@@ -148,3 +148,30 @@ def test_kv_budget_below_need_completes_through_preemption():
     row = tr.step()
     assert row["step_skipped"] == 0 and row["groups_kept"] == 2
     assert tr.engine.summary()["preemptions"] > 0
+
+
+def test_step_reports_mfu_waterfall_and_update_size():
+    tr = make("reward.name=test_length")
+    row = tr.step()
+    assert 0 < row["mfu"] < 1
+    parts = ["mfu_ideal_s"] + [k for k in row if k.startswith("mfu_lost_")]
+    assert sum(row[k] for k in parts) >= 0.9 * (row["time_rollout_s"] + row["time_train_s"])
+    assert row["update_norm"] > 0 and 0 < row["update_rel"] < 1
+
+
+def test_tensorboard_asked_for_but_missing_is_one_line_error(tmp_path, monkeypatch):
+    import builtins
+
+    from orbitrl.errors import OrbitError
+    from orbitrl.observe.metrics import ExternalWriters
+
+    real = builtins.__import__
+
+    def no_tb(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tb)
+    with pytest.raises(OrbitError, match="log.tensorboard"):
+        ExternalWriters(tmp_path, tensorboard=True)

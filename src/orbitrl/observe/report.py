@@ -74,6 +74,24 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         plt.close(fig)
         images.append((f"{name}.png", title))
     phases = [k for k in keys if k.startswith("time_") and k.endswith("_s")]
+    mem_phases = [k for k in keys if k.startswith("mem_") and k.endswith("_measured_bytes")]
+    if mem_phases:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        for k in mem_phases:
+            ph = k[4:-len("_measured_bytes")]
+            ys = [(r.get(k) or 0) / 2**20 for r in rows]
+            line = ax.plot(steps, ys, lw=1.2, label=f"{ph} measured")[0]
+            pk = f"mem_{ph}_predicted_bytes"
+            if pk in keys:
+                ax.plot(steps, [(r.get(pk) or 0) / 2**20 for r in rows], lw=1, ls="--",
+                        color=line.get_color(), label=f"{ph} predicted")
+        ax.set_title("Memory by phase, measured vs planner (MiB)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "memory_phases.png", dpi=90)
+        plt.close(fig)
+        images.append(("memory_phases.png", "Memory by phase, measured vs planner"))
     if phases:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         bottom = [0.0] * len(rows)
@@ -88,6 +106,23 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         fig.savefig(out / "phases.png", dpi=90)
         plt.close(fig)
         images.append(("phases.png", "Seconds per step by phase"))
+    parts = ["mfu_ideal_s"] + [k for k in keys if k.startswith("mfu_lost_")]
+    if "mfu_ideal_s" in keys:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        bottom = [0.0] * len(rows)
+        for k in parts:
+            ys = [r.get(k) or 0.0 for r in rows]
+            label = "useful FLOPs at peak" if k == "mfu_ideal_s" else k[9:-2].replace("_", " ")
+            ax.bar(steps, ys, bottom=bottom, width=1.0, label=label)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+        mfu = [r.get("mfu") for r in rows if r.get("mfu") is not None]
+        ax.set_title(f"MFU waterfall: seconds per step (mean MFU {sum(mfu) / max(1, len(mfu)):.1%})")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "mfu.png", dpi=90)
+        plt.close(fig)
+        images.append(("mfu.png", "MFU waterfall"))
     _write_html(run_dir, out, images, rows)
     return out / "report.html"
 

@@ -84,6 +84,14 @@ class Snapshot:
             s.copy_(p.detach())
 
     @torch.no_grad()
+    def update_size(self) -> dict:
+        """Norm of the change since the last save, absolute and relative to the weights."""
+        d = math.sqrt(sum(float((p.detach() - s).float().pow(2).sum())
+                          for s, p in zip(self.saved, self.params)))
+        w = math.sqrt(sum(float(s.float().pow(2).sum()) for s in self.saved))
+        return {"update_norm": d, "update_rel": d / max(w, 1e-12)}
+
+    @torch.no_grad()
     def restore(self):
         for s, p in zip(self.saved, self.params):
             p.copy_(s)

@@ -13,7 +13,7 @@ from pathlib import Path
 from orbitrl.config import Config, save_config
 from orbitrl.data.datasets import load_rows, task_rows
 from orbitrl.errors import OrbitError
-from orbitrl.observe.metrics import MetricsWriter, peak_rss_bytes, read_metrics
+from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -78,6 +78,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     _rewrite_metrics(run_dir / "metrics.jsonl", kept)
     rewards = [r["reward_mean"] for r in kept]
     writer = MetricsWriter(run_dir / "metrics.jsonl")
+    external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict())
     stop = _StopSignals()
     budget, t_loop = cfg.train.max_seconds, time.perf_counter()
     bar = tqdm(total=cfg.train.max_steps, initial=trainer.iteration, desc="train", unit="step",
@@ -99,6 +100,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
             row = trainer.step()
             row["wall_s"] = prior_wall + time.perf_counter() - t_start
             writer.write(row)
+            external.write(row)
             rewards.append(row["reward_mean"])
             recent = rewards[-20:]
             bar.set_postfix(reward=f"{sum(recent) / len(recent):.3f}",
@@ -111,6 +113,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     finally:
         bar.close()
         writer.close()
+        external.close()
         stop.restore()
     ckpt.save(trainer, extra(), block=True)
     if stopped in ("SIGINT", "SIGTERM"):

@@ -91,6 +91,7 @@ class RLTrainer:
         self.iteration = 0  # steps run (skipped ones included): the metrics row key
         self.step_idx = 0  # optimizer steps taken = policy version
         self._fused_applied = 0
+        self._peak_flops: float | None = None
         self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
                              dropped_groups=0, reward_errors=0)
         prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
@@ -156,6 +157,7 @@ class RLTrainer:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> dict:
         cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
+        t_step = time.perf_counter()
         timer = self.mem.timer()  # a PhaseTimer that also measures each phase's peak
         rows = self.next_prompts()
         d = cfg.data
@@ -204,8 +206,26 @@ class RLTrainer:
             with timer.phase("train"):
                 row.update(self._update(**ctx))
         row.update(self._step_metrics(samples, gen_tokens, timer))
+        row.update(self._mfu(samples, keep, ctx, timer, time.perf_counter() - t_step))
         self.iteration += 1
         return row
+
+    def _mfu(self, samples, keep, ctx, timer, step_s) -> dict:
+        """The step's model-FLOPs utilisation and its waterfall (observe/flops.py)."""
+        from orbitrl.observe.flops import measure_peak_flops, waterfall
+
+        if self._peak_flops is None:
+            self._peak_flops = measure_peak_flops()
+        c = self.model.config
+        params = c.num_params - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
+        tokens = sum(len(s.prompt_ids) + len(s.completion_ids)
+                     for s, k in zip(samples, keep.tolist()) if k)
+        passes = 1 + (ctx is not None and ctx["ref"][0] is not None)
+        train = 0 if ctx is None else tokens * self.cfg.algo.epochs * (
+            2 if is_fused(self.opt) and getattr(self.opt, "two_pass", False) else 1)
+        return waterfall(params, self._peak_flops, sum(t for _, t, _ in self.engine.timeline),
+                         self.engine.timeline, tokens if ctx is not None else 0, passes, train,
+                         self.cfg.train.mode == "adapter", dict(timer.seconds), step_s)
 
     def _score(self, samples, rewards, keep) -> dict | None:
         """Old (trainer) and anchored reference logprobs, once per step; advantages."""
@@ -325,6 +345,7 @@ class RLTrainer:
                 self.opt.step()
                 self.guard.accept(norm, layers)
                 if self.snapshot is not None:
+                    out.update(self.snapshot.update_size())
                     self.snapshot.save()
             else:
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]
