@@ -93,38 +93,34 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         plt.close(fig)
         images.append(("memory_phases.png", "Memory by phase, measured vs planner"))
     if phases:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        bottom = [0.0] * len(rows)
-        for k in phases:
-            ys = [r.get(k) or 0.0 for r in rows]
-            ax.bar(steps, ys, bottom=bottom, width=1.0, label=k[5:-2])
-            bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.set_title("Seconds per step by phase")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "phases.png", dpi=90)
-        plt.close(fig)
+        _stacked(plt, rows, steps, [(k, k[5:-2]) for k in phases], "Seconds per step by phase",
+                 out / "phases.png")
         images.append(("phases.png", "Seconds per step by phase"))
-    parts = ["mfu_ideal_s"] + [k for k in keys if k.startswith("mfu_lost_")]
     if "mfu_ideal_s" in keys:
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        bottom = [0.0] * len(rows)
-        for k in parts:
-            ys = [r.get(k) or 0.0 for r in rows]
-            label = "useful FLOPs at peak" if k == "mfu_ideal_s" else k[9:-2].replace("_", " ")
-            ax.bar(steps, ys, bottom=bottom, width=1.0, label=label)
-            bottom = [b + y for b, y in zip(bottom, ys)]
+        parts = [("mfu_ideal_s", "useful FLOPs at peak")] + [
+            (k, k[9:-2].replace("_", " ")) for k in keys if k.startswith("mfu_lost_")]
         mfu = [r.get("mfu") for r in rows if r.get("mfu") is not None]
-        ax.set_title(f"MFU waterfall: seconds per step (mean MFU {sum(mfu) / max(1, len(mfu)):.1%})")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "mfu.png", dpi=90)
-        plt.close(fig)
+        title = f"MFU waterfall: seconds per step (mean MFU {sum(mfu) / max(1, len(mfu)):.1%})"
+        _stacked(plt, rows, steps, parts, title, out / "mfu.png")
         images.append(("mfu.png", "MFU waterfall"))
     _write_html(run_dir, out, images, rows)
     return out / "report.html"
+
+
+def _stacked(plt, rows, steps, parts, title, path):
+    """Stacked bars per step of the (key, label) parts."""
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bottom = [0.0] * len(rows)
+    for k, label in parts:
+        ys = [r.get(k) or 0.0 for r in rows]
+        ax.bar(steps, ys, bottom=bottom, width=1.0, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def _write_html(run_dir: Path, out: Path, images, rows):
