@@ -2,7 +2,6 @@
 
 import math
 import threading
-import time
 
 import pytest
 
@@ -25,6 +24,7 @@ def test_weighted_sources_and_metrics():
 
 def test_faults_are_scored_zero_and_counted():
     release = threading.Event()
+    hung_returned = threading.Event()
 
     def raises(prompt, completion, **f):
         raise RuntimeError("verifier crashed")
@@ -32,6 +32,7 @@ def test_faults_are_scored_zero_and_counted():
     def hangs(prompt, completion, **f):
         if completion == "5":
             release.wait(30)  # a hung verifier; released at the end of the test
+            hung_returned.set()
         return 1.0
 
     def bad_type(prompt, completion, **f):
@@ -41,12 +42,13 @@ def test_faults_are_scored_zero_and_counted():
                            RewardSource(hangs), RewardSource(bad_type)],
                           timeout_s=0.2, max_workers=2)
     try:
-        start = time.monotonic()
         res = runner(PROMPTS, COMPLETIONS, FIELDS)
-        elapsed = time.monotonic() - start
+        # the batch came back while the hung verifier was still blocked: no wall-clock
+        # figure needed to show the runner did not wait for it
+        still_hung = not hung_returned.is_set()
     finally:
         release.set()
-    assert elapsed < 2.0, elapsed
+    assert still_hung
     assert res.per_source["raises"] == [0.0, 0.0, 0.0]
     assert res.per_source["hangs"] == [1.0, 0.0, 1.0]
     assert res.per_source["bad_type"] == [0.0, 0.0, 1.0]

@@ -29,7 +29,8 @@ import torch
 from orbitrl.observe.metrics import PhaseTimer, rss_bytes
 
 
-def _status_kib(field: str) -> int | None:
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status, in bytes."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -49,8 +50,25 @@ def _trim():
         pass
 
 
+_LIB_CACHE: list = [None, 0]  # (file-backed RSS when last parsed, library RSS then)
+
+
 def library_rss_bytes() -> int:
-    """Resident pages of mapped shared libraries (code paged in on first use)."""
+    """Resident pages of mapped shared libraries (code paged in on first use).
+
+    Parsing smaps costs tens of milliseconds, and this is read at the end of every phase:
+    library pages are file-backed, so while the process's file-backed RSS (one line of
+    /proc/self/status) is unchanged the last parse still holds.
+    """
+    rss_file = _status_bytes("RssFile")
+    if rss_file is not None and rss_file == _LIB_CACHE[0]:
+        return _LIB_CACHE[1]
+    total = _parse_library_rss()
+    _LIB_CACHE[:] = [rss_file, total]
+    return total
+
+
+def _parse_library_rss() -> int:
     total = 0
     lib = False
     try:
@@ -94,7 +112,7 @@ class MemoryProbe:
             _trim()
             self.baseline = rss_bytes()
             self.lib_baseline = library_rss_bytes()
-            self.method = "rss-hwm" if _reset_rss_peak() and _status_kib("VmHWM") else \
+            self.method = "rss-hwm" if _reset_rss_peak() and _status_bytes("VmHWM") else \
                 "rss-cumulative"
         self.prediction: dict | None = None
         self.peaks: dict[str, int] = {}  # largest net peak per phase over the run
@@ -129,7 +147,7 @@ class MemoryProbe:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            peak = _status_kib("VmHWM") or rss_bytes()
+            peak = _status_bytes("VmHWM") or rss_bytes()
             # library code paged in since the baseline is torch's, not the run's
             peak -= max(0, library_rss_bytes() - self.lib_baseline)
         return max(0, peak - self.baseline)

@@ -319,7 +319,8 @@ class LayerResidency:
                         i, rest = name[len(_LAYER_PREFIX):].split(".", 1)
                         disk[int(i)][rest] = (f, key)
                         shapes[int(i)][rest] = shape
-                        t = torch.empty(0, dtype=dtype, device=device)  # placeholder
+                        # disk-cold: no storage until the residency manager loads the layer
+                        t = torch.empty(0, dtype=dtype, device=device)
                     else:
                         t = sf.get_tensor(key).to(device=device, dtype=dtype)
                     model.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(
