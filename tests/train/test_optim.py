@@ -266,3 +266,22 @@ def test_refuses_what_it_cannot_honour(hf_dirs):
     assert isinstance(build_optimizer("adamw", m.parameters(), lr=1e-3), torch.optim.AdamW)
     with pytest.raises(OrbitError):
         build_optimizer("lion", m.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("cls,kw", [(FusedSGD, dict(lr=0.5, weight_decay=0.01)),
+                                    (FusedAdaLomo, dict(lr=0.05, weight_decay=0.1))])
+def test_update_size_equals_the_measured_change(hf_dirs, cls, kw):
+    """The fused step's reported update norm is the norm of what it wrote to the weights."""
+    m = _model(hf_dirs, "qwen3")
+    opt = cls(m.parameters(), **kw)
+    for b in _batches(2, seed=5):  # a state that is not the initial one (AdaLomo moments)
+        opt.step(lambda b=b: _closure(m, b))
+    assert opt.take_update_size()["update_norm"] > 0
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step(lambda: _closure(m, _batches(1, seed=9)[0]))
+    size = opt.take_update_size()
+    d = math.sqrt(sum(float((p.detach() - q).pow(2).sum()) for p, q in zip(m.parameters(), before)))
+    w = math.sqrt(sum(float(q.pow(2).sum()) for q in before))
+    assert size["update_norm"] == pytest.approx(d, rel=1e-4)
+    assert size["update_rel"] == pytest.approx(d / w, rel=1e-4)
+    assert opt.take_update_size()["update_norm"] == 0.0  # reset

@@ -333,6 +333,9 @@ class RLTrainer:
             self._fused_applied = st.micro_steps
             ok = applied > 0
             out["grad_norm"] = norm
+            size = self.opt.take_update_size()  # reset even when nothing was applied
+            if ok:
+                out.update(size)
         else:
             named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
             layers = layer_grad_norms(named)

@@ -63,6 +63,10 @@ class FusedStats:
     backward_passes: int = 0
     measure_s: float = 0.0    # seconds spent in norm-measuring passes (the clipping cost)
     apply_s: float = 0.0      # seconds spent in update-applying passes
+    # sums of squares since the last ``take_update_size()``: of the applied changes and of
+    # the weights they were applied to (the update's size relative to the weights)
+    update_sq: float = 0.0
+    weight_sq: float = 0.0
 
 
 _REFUSED_TORCH_FLAGS = ("foreach", "fused", "differentiable", "capturable")
@@ -104,6 +108,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.stats = FusedStats()
         self._phase = "idle"
         self._sq: torch.Tensor | None = None
+        self._dsq: torch.Tensor | None = None  # this pass: sum of squared changes
+        self._wsq: torch.Tensor | None = None  # this pass: sum of squared weights (before)
         self._coef = 1.0
         self._bad = False
         self.veto = None  # optional (global grad norm) -> True to refuse this update
@@ -205,10 +211,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._coef = self._clip_coef(norm)
             _set_rng_state(rng)
             self._sq = torch.zeros((), dtype=torch.float32, device=dev)
+            self._zero_update_sums(dev)
             loss = self._run(closure, "apply")
         else:
             self._coef = self._clip_coef(self._prev_norm)
             self._bad = False
+            self._zero_update_sums(dev)
             loss = self._run(closure, "oneshot")
             norm = float(self._sq.sqrt())
             self.stats.last_grad_norm = norm
@@ -216,10 +224,29 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.stats.partial += 1
                 return loss
         self._prev_norm = norm
+        self.stats.update_sq += float(self._dsq)
+        self.stats.weight_sq += float(self._wsq)
         self.stats.last_clip_coef = self._coef
         self.stats.micro_steps += 1
         self.stats.steps = self.stats.micro_steps // self.accumulation_steps
         return loss
+
+    def _zero_update_sums(self, dev):
+        self._dsq = torch.zeros((), dtype=torch.float32, device=dev)
+        self._wsq = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def _note(self, w: torch.Tensor, d_sq: torch.Tensor):
+        """Record one tensor's update: w its fp32 value before, d_sq the squared norm of the
+        change (reductions only, no temporary of the tensor's size)."""
+        self._wsq += torch.linalg.vector_norm(w).square()
+        self._dsq += d_sq
+
+    def take_update_size(self) -> dict:
+        """Norm of the changes applied since the last call, absolute and relative to the
+        weights they were applied to; resets the sums."""
+        d, w = math.sqrt(self.stats.update_sq), math.sqrt(self.stats.weight_sq)
+        self.stats.update_sq = self.stats.weight_sq = 0.0
+        return {"update_norm": d, "update_rel": d / max(w, 1e-12)}
 
     def _device(self):
         for g in self.param_groups:
@@ -316,6 +343,7 @@ class FusedSGD(FusedOptimizer):
         pf = p.float()  # p itself when fp32
         if group["weight_decay"]:
             d = d.add(pf, alpha=group["weight_decay"])
+        self._note(pf, torch.linalg.vector_norm(d).square() * lr * lr)
         _write(p, pf.add_(d, alpha=-lr))
 
 
@@ -379,6 +407,13 @@ class FusedAdaLomo(FusedOptimizer):
         u.div_((_rms(u) / group["clip_threshold"]).clamp(min=1.0))
         pf = p.float()
         lr_t = lr * max(eps2, float(_rms(pf)))
+        # change = -lr_t * (wd * W + u): its squared norm from three reductions
+        a, uu = lr_t * group["weight_decay"], torch.linalg.vector_norm(u).square()
+        d_sq = lr_t * lr_t * uu
+        if a:
+            ww = torch.linalg.vector_norm(pf).square()
+            d_sq = d_sq + a * a * ww + 2 * a * lr_t * torch.dot(pf.reshape(-1), u.reshape(-1))
+        self._note(pf, d_sq)
         if group["weight_decay"]:
             pf.mul_(1 - lr_t * group["weight_decay"])
         _write(p, pf.add_(u, alpha=-lr_t))
