@@ -55,6 +55,7 @@ class TrainSection:
     max_seconds: float = 0.0  # 0 = no wall-clock budget
     micro_batch_tokens: int = 4096
     recompute: bool = False
+    hand_back_memory: bool = True  # release the allocator's cache between phases
     seed: int = 0
     deterministic: bool = False
 
@@ -68,9 +69,21 @@ class RolloutSection:
     top_k: int = 0
     max_tokens: int = 8
     kv_dtype: Literal["model", "fp8"] = "model"
-    kv_budget_mb: float = 256.0
+    kv_budget_mb: float = 0.0  # 0 = auto: what training's predicted need leaves, up to the cap
+    min_available_mb: float = 1024.0  # free memory kept; the KV pool throttles below it
     block_size: int = 16
     timeout_s: float = 300.0  # watchdog: a rollout past this drops its unfinished samples
+    overlap: bool = False  # one step off-policy: rollout of step k+1 runs beside training k
+    queue_size: int = 1  # overlap: rollouts generated ahead of training at most (staleness)
+
+    def __post_init__(self):
+        for key in ("kv_budget_mb", "min_available_mb"):
+            if getattr(self, key) < 0:
+                raise OrbitError(f"config key 'rollout.{key}' must be >= 0, got "
+                                 f"{getattr(self, key)}")
+        if self.queue_size < 1:
+            raise OrbitError(f"config key 'rollout.queue_size' must be >= 1, got "
+                             f"{self.queue_size}")
 
 
 @dataclass

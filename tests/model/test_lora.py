@@ -233,3 +233,37 @@ def test_bf16_compute_gap_is_measured(hf_dirs):
     diff, _ = _engine_vs_trainer(model)
     print(f"\nlogprob gap bf16 compute: max {diff.max():.3g} mean {diff.mean():.3g}")
     assert diff.max().item() < 0.05
+
+
+def test_adapter_view_is_per_thread(hf_dirs):
+    """A thread inside adapter_view computes with the frozen copy while another thread's
+    changes to the live adapters (and their switch) do not reach it."""
+    import threading
+
+    from orbitrl.model.lora import adapter_view, snapshot_adapters
+
+    model = orbitrl.load_model(hf_dirs["qwen2"][0])
+    apply_lora(model, rank=4)
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.normal_(0, 0.1)
+    ids = torch.randint(0, 97, (1, 9))
+    want = model(ids).clone()
+    snap = snapshot_adapters(model)
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.add_(1.0)
+    moved = model(ids)
+    assert not torch.allclose(moved, want)
+    out = {}
+
+    def worker():
+        with adapter_view(snap):
+            out["logits"] = model(ids)
+
+    with adapters_disabled(model):  # the live switch is off in this thread
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    torch.testing.assert_close(out["logits"], want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(ids), moved)  # outside the view: live adapters

@@ -175,3 +175,57 @@ def test_tensorboard_asked_for_but_missing_is_one_line_error(tmp_path, monkeypat
     monkeypatch.setattr(builtins, "__import__", no_tb)
     with pytest.raises(OrbitError, match="log.tensorboard"):
         ExternalWriters(tmp_path, tensorboard=True)
+
+
+def test_overlapped_mode_is_exactly_one_step_off_policy():
+    tr = make("reward.name=test_length", "rollout.overlap=true", "algo.check=false")
+    try:
+        rows = [tr.step() for _ in range(4)]
+    finally:
+        tr.close()
+    assert all(r["step_skipped"] == 0 for r in rows)
+    # step 0 and step 1 both sample the initial policy; from then on one step behind
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert [r["staleness_mean"] for r in rows] == [0, 1, 1, 1]
+    assert all("time_wait_rollout_s" in r and r["time_rollout_s"] > 0 for r in rows)
+    # the stale sampler shows up as the engine/trainer gap the importance weights correct
+    assert rows[0]["logprob_mismatch_max"] < 1e-4 < rows[2]["logprob_mismatch_max"]
+
+
+def test_overlap_needs_adapter_mode():
+    from orbitrl.errors import OrbitError
+
+    with pytest.raises(OrbitError, match="rollout.overlap"):
+        make("rollout.overlap=true", "train.mode=full")
+
+
+def test_kv_pool_sized_from_memory_left_after_training():
+    tr = make("reward.name=test_length")  # rollout.kv_budget_mb: 0 (auto)
+    plan = tr.kv_plan
+    assert plan["train_need"] > 0 and plan["blocks"] == plan["cap"]  # plenty free here
+    assert tr.engine.pool.num_blocks == plan["blocks"] and tr.engine.memory_hook is tr.governor
+    row = tr.step()
+    assert row["kv_blocks"] == plan["blocks"] and row["kv_throttle_events"] == 0
+
+
+def test_kv_pool_that_cannot_fit_one_group_is_a_clear_error():
+    from orbitrl.errors import OrbitError
+
+    with pytest.raises(OrbitError, match="rollout.kv_budget_mb.*rollout.min_available_mb"):
+        make("rollout.min_available_mb=1e9")
+
+
+def test_memory_pressure_mid_run_throttles_the_pool_and_the_step_completes():
+    tr = make("reward.name=test_length", "rollout.block_size=4")
+    gov, bb = tr.governor, tr.engine.block_bytes
+    calls = []
+
+    def squeezed():  # a few blocks short of the floor from the third engine step on
+        calls.append(1)
+        return gov.min_available - (8 * bb if len(calls) >= 3 else -(1 << 30))
+
+    gov.available_fn = squeezed
+    before = tr.engine.pool.num_blocks
+    row = tr.step()
+    assert row["kv_throttle_events"] >= 1 and row["step_skipped"] == 0
+    assert row["groups_kept"] == 2 and tr.engine.pool.num_blocks < before

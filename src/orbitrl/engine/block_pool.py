@@ -139,6 +139,31 @@ class BlockPool:
         seq.block_table = []
         seq.num_computed = seq.num_hashed = 0
 
+    def resize(self, num_blocks: int) -> None:
+        """Grow the pool, or shrink it once no block at or past ``num_blocks`` is referenced
+        (the engine preempts their holders first). Counters are kept."""
+        if num_blocks <= 0:
+            raise ValueError("the KV pool needs at least one block")
+        old = self.num_blocks
+        if num_blocks >= old:
+            add = num_blocks - old
+            self.ref += [0] * add
+            self.hash += [None] * add
+            self.tokens += [None] * add
+            for b in range(old, num_blocks):
+                self.free[b] = None
+        else:
+            held = [b for b in range(num_blocks, old) if self.ref[b]]
+            if held:
+                raise RuntimeError(f"cannot shrink the KV pool: blocks {held[:4]} in use")
+            for b in range(num_blocks, old):
+                del self.free[b]
+                h = self.hash[b]
+                if h is not None and self.cached.get(h) == b:
+                    del self.cached[h]
+            del self.ref[num_blocks:], self.hash[num_blocks:], self.tokens[num_blocks:]
+        self.num_blocks = num_blocks
+
     def allocate_fresh(self, seq: Sequence, num_tokens: int) -> None:
         """Private blocks for ``num_tokens`` tokens of a sequence coming back from host."""
         assert not seq.block_table

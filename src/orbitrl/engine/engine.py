@@ -77,6 +77,7 @@ class Engine:
             raise OrbitError(f"KV budget {kv_budget_bytes} bytes holds no block "
                              f"(one block is {self.block_bytes} bytes)")
         self.pool = BlockPool(num_blocks, block_size)
+        self.max_blocks = num_blocks  # the pool may grow up to this (see resize_pool)
         self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
                              block_size, dtype, device, fp8=fp8)
         preempt = preempt or ("swap" if device.type == "cuda" else "recompute")
@@ -91,6 +92,7 @@ class Engine:
         self._arrival = 0
         self._done: dict[int, list[Sequence]] = {}
         self.stop_fn = None
+        self.memory_hook = None  # called before every step (the KV governor, governor.py)
         self.timeline: list[tuple[int, int, float]] = []
         self.stats = dict(steps=0, prompt_tokens=0, generated_tokens=0, seconds=0.0)
 
@@ -117,11 +119,37 @@ class Engine:
         bad = [t for t in p.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             return [], f"unknown stop token id {bad[0]!r} (vocabulary is [0, {vocab}))"
-        need = -(-min(len(ids) + p.max_tokens, self.max_model_len) // self.pool.block_size)
-        if need > self.pool.num_blocks:
+        need = self._blocks_for(len(ids), p.max_tokens)
+        if need > max(self.pool.num_blocks, self.max_blocks):
             return [], (f"one sample needs {need} KV blocks; the pool has "
-                        f"{self.pool.num_blocks} (raise the KV budget or lower max_tokens)")
+                        f"{max(self.pool.num_blocks, self.max_blocks)} (raise the KV budget "
+                        "or lower max_tokens)")
         return ids, None
+
+    def _blocks_for(self, prompt_len: int, max_tokens: int) -> int:
+        return -(-min(prompt_len + max_tokens, self.max_model_len) // self.pool.block_size)
+
+    def min_blocks(self) -> int:
+        """The smallest pool that lets every queued sample finish (one at a time, through
+        preemption): the largest single sample's blocks."""
+        sch = self.scheduler
+        return max([self._blocks_for(s.num_prompt, s.params.max_tokens)
+                    for s in sch.waiting + sch.running + sch.swapped] or [1])
+
+    def resize_pool(self, num_blocks: int) -> int:
+        """Grow or shrink the KV pool (between steps). Shrinking preempts the sequences that
+        hold blocks past the new end (recomputed or swapped back later, as when the pool runs
+        out) and releases the memory; never below :meth:`min_blocks`. Returns the new size."""
+        num_blocks = max(int(num_blocks), self.min_blocks())
+        if num_blocks < self.pool.num_blocks:
+            sch = self.scheduler
+            for seq in [s for s in sch.running if any(b >= num_blocks for b in s.block_table)]:
+                sch.running.remove(seq)
+                sch._preempt(seq)
+        if num_blocks != self.pool.num_blocks:
+            self.pool.resize(num_blocks)
+            self.cache.resize(num_blocks)
+        return num_blocks
 
     def add_request(self, index: int, req: Request, params: SamplingParams) -> RequestOutput:
         """Queue one request; returns its output record (``error`` set if rejected)."""
@@ -167,9 +195,13 @@ class Engine:
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
         total = sum(r.params.n if r.params else (p or SamplingParams()).n
                     for r, p, o in zip(reqs, plist, outs) if o.error is None)
+        if self.pool.num_blocks < self.min_blocks():  # a throttled pool must fit each sample
+            self.resize_pool(self.min_blocks())
         t0 = time.perf_counter()
         with tqdm(total=total, disable=not progress, unit="sample") as bar:
             while self.scheduler.has_work():
+                if self.memory_hook is not None:
+                    self.memory_hook(self)
                 if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
                     dropped = self.scheduler.abort_all()
                     self.stats["aborted"] = self.stats.get("aborted", 0) + len(dropped)

@@ -31,6 +31,23 @@ class KVCache:
             self.k_scale = torch.ones(shape[:3] + (1,), dtype=torch.float32, device=device)
             self.v_scale = torch.ones_like(self.k_scale)
 
+    def resize(self, num_blocks: int) -> None:
+        """Reallocate for ``num_blocks`` blocks, keeping the slots both sizes have (the old
+        tensors are released: a throttled pool gives its memory back)."""
+        slots = num_blocks * self.block_size
+        names = ("k", "v", "k_scale", "v_scale") if self.fp8 else ("k", "v")
+        for name in names:
+            t = getattr(self, name)
+            if slots >= t.shape[1]:
+                fill = 1.0 if name.endswith("scale") else 0
+                new = t.new_full((t.shape[0], slots) + t.shape[2:], fill)
+                new[:, :t.shape[1]] = t
+            else:
+                new = t[:, :slots].clone()
+            setattr(self, name, None)
+            del t
+            setattr(self, name, new)
+
     def _fields(self):
         return (self.k, self.v, self.k_scale, self.v_scale) if self.fp8 else (self.k, self.v)
 

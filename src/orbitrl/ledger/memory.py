@@ -376,3 +376,37 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     out["peak"] = max(out.values())
     out["terms"] = terms
     return out
+
+
+def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
+                    available: int, resident: int, device: str = "cpu") -> dict:
+    """Size the engine's KV pool from the memory training leaves (``rollout.kv_budget_mb: 0``).
+
+    ``available``: bytes free now; ``resident``: bytes of the run already loaded (weights,
+    reference), which the prediction counts too. The pool gets what is left after training's
+    predicted peak without a pool and ``rollout.min_available_mb``, capped at what one
+    step's rollout can use (every sample at full length, no prefix sharing) and floored at
+    one GRPO group at full length (below that a step cannot run: an error).
+
+    Returns ``{"blocks", "cap", "floor", "train_need", "left"}`` (bytes and block counts).
+    """
+    from orbitrl.errors import OrbitError
+
+    r = cfg.rollout
+    pred = runtime_prediction(cfg, hf_config, prompt_len, kv_blocks=0,
+                              kv_dtype="fp8" if r.kv_dtype == "fp8" else None, device=device)
+    need = pred["peak"]
+    left = available + resident - int(r.min_available_mb * 2**20) - need
+    per_seq = blocks_for_tokens(prompt_len + r.max_tokens, r.block_size)
+    cap = r.prompts_per_step * r.n * per_seq
+    floor = r.n * per_seq
+    blocks = min(cap, max(0, left) // block_bytes)
+    if blocks < floor:
+        raise OrbitError(
+            f"rollout.kv_budget_mb: 0 (auto) leaves {max(0, left) / 2**20:.0f} MiB for the KV "
+            f"pool after training's predicted {need / 2**20:.0f} MiB and rollout.min_available_mb "
+            f"{r.min_available_mb:.0f}; one group of {r.n} samples needs "
+            f"{floor * block_bytes / 2**20:.1f} MiB (lower rollout.min_available_mb, "
+            "rollout.n or rollout.max_tokens)")
+    return {"blocks": int(blocks), "cap": int(cap), "floor": int(floor), "train_need": int(need),
+            "left": int(left)}

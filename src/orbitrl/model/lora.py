@@ -8,7 +8,9 @@ transformers model wrapped by peft (see ``adapters.py``).
 
 Rollout and training call these same modules: nothing is merged or copied between them, and
 ``adapters_disabled(model)`` gives the frozen base, i.e. the reference policy, at no extra
-memory.
+memory. ``adapter_view(snapshot)`` makes the modules compute, in the calling thread only,
+with a frozen copy of the adapter tensors: the overlapped mode's rollout thread samples
+with the previous policy while the training thread updates the live adapters.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import threading
 from contextlib import contextmanager
 from typing import Iterable, Sequence
 
@@ -76,6 +79,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
+        view = getattr(_VIEW, "tensors", None)
+        if view is not None:  # this thread's frozen adapters: always on, no dropout
+            a_w, b_w = view[id(self)]
+            return y + F.linear(F.linear(x, a_w.to(x.dtype)), b_w.to(x.dtype)) * self.scaling
         if not self.enabled:
             return y
         a = F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype))  # [..., r]
@@ -200,6 +207,28 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:
     for m in lora_modules(model).values():
         m.enabled = enabled
+
+
+_VIEW = threading.local()
+
+
+def snapshot_adapters(model: nn.Module) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every module's (A, B), for :func:`adapter_view` (a few MB)."""
+    return {id(m): (m.lora_A.weight.detach().clone(), m.lora_B.weight.detach().clone())
+            for m in lora_modules(model).values()}
+
+
+@contextmanager
+def adapter_view(tensors: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    """In the calling thread, every LoRA module computes with ``tensors`` (from
+    :func:`snapshot_adapters`), enabled and without dropout, whatever the live adapters,
+    their switch or the module's train mode; other threads are unaffected."""
+    before = getattr(_VIEW, "tensors", None)
+    _VIEW.tensors = tensors
+    try:
+        yield
+    finally:
+        _VIEW.tensors = before
 
 
 @contextmanager

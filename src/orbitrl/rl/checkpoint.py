@@ -35,11 +35,14 @@ def _cpu(obj):
 
 def capture(tr, extra: dict) -> dict:
     """Everything needed to continue the run bit for bit, copied to host memory."""
+    # overlapped, the producer has drawn prompts ahead: keep the position as of the steps
+    # trained, and the adapter snapshots the next rollouts sample from
+    data_pos, order = tr._data_trained or (tr.data_pos, tr.order)
     state = {
         "step_idx": tr.step_idx,
         "iteration": tr.iteration,
-        "data_pos": tr.data_pos,
-        "order": list(tr.order),
+        "data_pos": data_pos,
+        "order": list(order),
         "trainable": [p.detach() for p in tr.policy.trainable],
         "optimizer": tr.opt.state_dict(),
         "fused_applied": tr._fused_applied,
@@ -54,6 +57,12 @@ def capture(tr, extra: dict) -> dict:
     if tr.critic is not None:
         state["critic"] = tr.critic.state_dict()
         state["critic_opt"] = tr.critic_opt.state_dict()
+    if tr.overlap is not None:
+        from orbitrl.model.lora import lora_modules
+
+        mods = list(lora_modules(tr.model).values())
+        state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
+                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
     return _cpu(state)
@@ -80,6 +89,14 @@ def restore(tr, state: dict):
         tr.critic_opt.load_state_dict(state["critic_opt"])
     if tr.snapshot is not None:
         tr.snapshot.save()
+    if state.get("overlap_snapshots"):
+        from orbitrl.model.lora import lora_modules
+
+        mods = list(lora_modules(tr.model).values())
+        dev = tr.policy.trainable[0].device
+        tr._resume_snapshots = {k: (v, {id(m): tuple(t.to(dev) for t in ab)
+                                        for m, ab in zip(mods, views)})
+                                for k, (v, views) in state["overlap_snapshots"].items()}
 
 
 class Checkpointer:

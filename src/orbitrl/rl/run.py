@@ -111,6 +111,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     except KeyboardInterrupt:
         stopped = "SIGINT"
     finally:
+        trainer.close()
         bar.close()
         writer.close()
         external.close()

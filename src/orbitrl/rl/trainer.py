@@ -15,6 +15,8 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.engine import Engine, SamplingParams
+from orbitrl.engine.governor import KVGovernor, available_memory, hand_back
+from orbitrl.errors import OrbitError
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import device_peak_bytes
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
@@ -34,8 +36,6 @@ def reward_sources(rc) -> list:
     names = [rc.name] + list(rc.extra)
     weights = list(rc.weights) or [1.0] * len(names)
     if len(weights) != len(names):
-        from orbitrl.errors import OrbitError
-
         raise OrbitError(f"config key 'reward.weights': {len(weights)} weights for "
                          f"{len(names)} reward sources")
     out = []
@@ -64,13 +64,20 @@ class RLTrainer:
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.device = pick_device(cfg.model.device)
         self.mem = MemoryProbe(self.device)  # baseline: before the model is loaded
+        if cfg.rollout.overlap and cfg.train.mode != "adapter":
+            raise OrbitError("config key 'rollout.overlap': the overlapped mode needs "
+                             "train.mode adapter (full mode would hold a second copy of the "
+                             "weights for the rollout thread)")
         self.policy = build_policy(cfg, self.device)
         self.model, self.tok = self.policy.model, self.policy.tokenizer
-        r = cfg.rollout
-        self.engine = Engine(self.model, self.tok, kv_budget_bytes=int(r.kv_budget_mb * 2**20),
-                             kv_dtype="fp8" if r.kv_dtype == "fp8" else None,
-                             block_size=r.block_size, seed=cfg.train.seed)
         self.train_rows, self.heldout_rows = train_rows, heldout_rows
+        prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
+        self.engine, self.kv_plan = self._engine(prompt_len)
+        self.governor = None
+        if self.kv_plan is not None:
+            self.governor = KVGovernor(int(cfg.rollout.min_available_mb * 2**20),
+                                       self.kv_plan["cap"], device=self.device)
+            self.engine.memory_hook = self.governor
         self.order = list(range(len(train_rows)))
         random.Random(cfg.train.seed).shuffle(self.order)
         self.data_pos = 0
@@ -94,12 +101,41 @@ class RLTrainer:
         self._peak_flops: float | None = None
         self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
                              dropped_groups=0, reward_errors=0)
-        prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
+        self.overlap = None  # the producer thread (rollout.overlap), started at the first step
+        self._resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
+        self._data_trained = None  # overlapped: (data_pos, order) as of the trained steps
+        self._last_step_end: float | None = None
         self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len)
         self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
                         self.critic, self.critic_opt)
 
     # ---- setup ---------------------------------------------------------------------
+    def _engine(self, prompt_len: int):
+        """The engine, its KV pool from ``rollout.kv_budget_mb`` or, at 0, from the memory
+        training's predicted need leaves (``ledger.memory.kv_pool_for_run``)."""
+        from orbitrl.ledger.kv import kv_bytes_per_block
+        from orbitrl.ledger.memory import kv_pool_for_run
+        from orbitrl.observe.memory import tensor_bytes
+
+        cfg, r, c = self.cfg, self.cfg.rollout, self.model.config
+        fp8 = r.kv_dtype == "fp8"
+        plan, budget = None, int(r.kv_budget_mb * 2**20)
+        if not budget:
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            bb = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, r.block_size,
+                                    "fp8" if fp8 else dtype, 4 if fp8 else 0)
+            plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb,
+                                   available=available_memory(self.device),
+                                   resident=tensor_bytes(self.model, self.policy.reference),
+                                   device=self.device.type)
+            budget = plan["blocks"] * bb
+        engine = Engine(self.model, self.tok, kv_budget_bytes=budget,
+                        kv_dtype="fp8" if fp8 else None, block_size=r.block_size,
+                        seed=cfg.train.seed)
+        if plan is not None:
+            engine.max_blocks = plan["cap"]
+        return engine, plan
+
     def _optimizer(self):
         t = self.cfg.train
         params = self.policy.trainable
@@ -156,42 +192,122 @@ class RLTrainer:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> dict:
-        cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
+        """One RL step: sequential (rollout, reward, score, train) or, with
+        ``rollout.overlap``, training on a batch the producer thread made beside the
+        previous step's training (see overlap.py)."""
+        if self.cfg.rollout.overlap:
+            return self._step_overlapped()
         t_step = time.perf_counter()
         timer = self.mem.timer()  # a PhaseTimer that also measures each phase's peak
+        batch = self.produce(self.iteration, self.step_idx, timer=timer)
+        self._data_trained = None
+        return self._consume(batch, timer, t_step)
+
+    def _step_overlapped(self) -> dict:
+        from orbitrl.rl.overlap import Overlap
+
+        if self.overlap is None:
+            self.overlap = Overlap(self, self.cfg.rollout.queue_size, self.iteration,
+                                   self._resume_snapshots)
+        t_step = self._last_step_end or time.perf_counter()
+        timer = self.mem.timer()
+        batch, waited = self.overlap.get(self.iteration)
+        self._data_trained = batch["data_after"]
+        row = self._consume(batch, timer, t_step, waited=waited)
+        self.overlap.trained(self.iteration)
+        self._last_step_end = time.perf_counter()
+        return row
+
+    def close(self):
+        """Stop the overlapped mode's producer thread (before evaluation or exit)."""
+        if self.overlap is not None:
+            self.overlap.stop()
+
+    def produce(self, j: int, version: int, timer=None, cancel=None) -> dict:
+        """Step j's samples and their rewards, sampled with policy ``version``."""
+        from orbitrl.observe.metrics import PhaseTimer
+
+        cfg, r, d = self.cfg, self.cfg.rollout, self.cfg.data
+        timer = timer or PhaseTimer(self.device)
         rows = self.next_prompts()
-        d = cfg.data
-        with timer.phase("rollout"):
-            self.model.eval()
-            params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
-                                    top_p=r.top_p, top_k=r.top_k)
-            gen0 = self.engine.stats["generated_tokens"]
-            wd0 = self.engine.stats.get("watchdog_events", 0)
-            samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows], rows,
-                              params, self.step_idx, cfg.train.seed * 7919 + self.step_idx,
-                              deadline_s=r.timeout_s or None)
-            gen_tokens = self.engine.stats["generated_tokens"] - gen0
-        watchdog = self.engine.stats.get("watchdog_events", 0) - wd0
+        data_after = (self.data_pos, list(self.order))
+        self.engine.memory_hook = self._engine_hook(cancel)
+        try:
+            with timer.phase("rollout"):
+                if cancel is None:  # (the producer thread never flips modes: adapter_view)
+                    self.model.eval()
+                params = SamplingParams(n=r.n, max_tokens=r.max_tokens,
+                                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+                gen0 = self.engine.stats["generated_tokens"]
+                wd0 = self.engine.stats.get("watchdog_events", 0)
+                seed = cfg.train.seed * 7919 + (j if cancel is not None else version)
+                samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows],
+                                  rows, params, version, seed, deadline_s=r.timeout_s or None)
+                gen_tokens = self.engine.stats["generated_tokens"] - gen0
+        finally:
+            self.engine.memory_hook = self.governor
+        batch = dict(samples=samples, gen_tokens=gen_tokens, version=version,
+                     watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
+                     timeline=list(self.engine.timeline), data_after=data_after,
+                     governor=self.governor.state() if self.governor else {})
+        if samples:
+            with timer.phase("reward"):
+                res = self.rewards([s.fields[d.prompt_field] for s in samples],
+                                   [s.text for s in samples],
+                                   [reward_fields(s.fields, d.prompt_field, d.answer_field)
+                                    for s in samples])
+            batch["res"] = res
+        batch["seconds"] = dict(timer.seconds)
+        return batch
+
+    def _engine_hook(self, cancel):
+        gov = self.governor
+        if cancel is None:
+            return gov
+
+        def hook(engine):
+            if cancel():
+                from orbitrl.rl.overlap import Cancelled
+
+                engine.scheduler.abort_all()
+                raise Cancelled()
+            if gov is not None:
+                gov(engine)
+        return hook
+
+    def _consume(self, batch: dict, timer, t_step: float, waited: float | None = None) -> dict:
+        """Rewards -> advantages -> score -> train on one produced batch; the metrics row."""
+        cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
+        samples, gen_tokens = batch["samples"], batch["gen_tokens"]
+        prod = batch["seconds"]  # rollout/reward seconds (the producer's, when overlapped)
+        extra = {"watchdog": batch["watchdog"], **batch["governor"]}
+        if waited is not None:
+            extra["time_wait_rollout_s"] = waited
+        # the rollout's transient (KV growth, sampling) goes back before training; on the
+        # host the memory probe already trims the heap at each phase, so once per step there
+        back = self.cfg.train.hand_back_memory
+        if back:
+            extra["memory_handed_back_bytes"] = hand_back(self.device) \
+                if self.device.type == "cuda" else 0
         if not samples:  # the watchdog dropped every group: nothing to learn from
             row = {"step": self.iteration, "reward_mean": 0.0, "step_skipped": 1,
-                   "watchdog": watchdog, "groups_kept": 0}
-            row.update(self._step_metrics([], gen_tokens, timer))
+                   "groups_kept": 0, **extra}
+            row.update(self._step_metrics([], gen_tokens, timer, prod))
             self.iteration += 1
             return row
-        with timer.phase("reward"):
-            res = self.rewards([s.fields[d.prompt_field] for s in samples],
-                               [s.text for s in samples],
-                               [reward_fields(s.fields, d.prompt_field, d.answer_field)
-                                for s in samples])
-            rewards = torch.tensor(res.rewards, dtype=torch.float32)
-            if algo.overlong == "shape":
-                from orbitrl.rl.advantages import overlong_penalty
+        res = batch["res"]
+        rewards = torch.tensor(res.rewards, dtype=torch.float32)
+        if algo.overlong == "shape":
+            from orbitrl.rl.advantages import overlong_penalty
 
-                lens = torch.tensor([len(s.completion_ids) for s in samples])
-                rewards = rewards + overlong_penalty(lens, r.max_tokens, algo.overlong_buffer)
+            lens = torch.tensor([len(s.completion_ids) for s in samples])
+            rewards = rewards + overlong_penalty(lens, r.max_tokens, algo.overlong_buffer)
         row = {"step": self.iteration, "reward_mean": float(torch.tensor(res.rewards).mean()),
-               "watchdog": watchdog, "groups_kept": len(samples) // r.n}
+               "groups_kept": len(samples) // r.n, **extra}
         row.update({k: v for k, v in res.metrics.items() if k != "reward_mean"})
+        stale = [self.step_idx - s.policy_version for s in samples]
+        row["staleness_mean"] = sum(stale) / len(stale)
+        row["staleness_max"] = max(stale)
         keep = torch.ones(len(samples), dtype=torch.bool)
         if algo.dynamic_sampling:
             from orbitrl.rl.advantages import dynamic_sampling_mask
@@ -205,13 +321,20 @@ class RLTrainer:
         else:
             with timer.phase("train"):
                 row.update(self._update(**ctx))
-        row.update(self._step_metrics(samples, gen_tokens, timer))
-        row.update(self._mfu(samples, keep, ctx, timer, time.perf_counter() - t_step))
+        if back:
+            row["memory_handed_back_bytes"] += hand_back(self.device)
+        row.update(self._step_metrics(samples, gen_tokens, timer, prod))
+        step_s = time.perf_counter() - t_step
+        row["time_step_s"] = step_s
+        row.update(self._mfu(samples, keep, ctx, timer, step_s, batch["timeline"], prod, waited))
         self.iteration += 1
         return row
 
-    def _mfu(self, samples, keep, ctx, timer, step_s) -> dict:
-        """The step's model-FLOPs utilisation and its waterfall (observe/flops.py)."""
+    def _mfu(self, samples, keep, ctx, timer, step_s, timeline, prod, waited) -> dict:
+        """The step's model-FLOPs utilisation and its waterfall (observe/flops.py). When
+        overlapped, the rollout costs the step only the seconds training waited for it:
+        those are split between decode and long tail as the engine's timeline splits its
+        own seconds."""
         from orbitrl.observe.flops import measure_peak_flops, waterfall
 
         if self._peak_flops is None:
@@ -223,9 +346,16 @@ class RLTrainer:
         passes = 1 + (ctx is not None and ctx["ref"][0] is not None)
         train = 0 if ctx is None else tokens * self.cfg.algo.epochs * (
             2 if is_fused(self.opt) and getattr(self.opt, "two_pass", False) else 1)
-        return waterfall(params, self._peak_flops, sum(t for _, t, _ in self.engine.timeline),
-                         self.engine.timeline, tokens if ctx is not None else 0, passes, train,
-                         self.cfg.train.mode == "adapter", dict(timer.seconds), step_s)
+        seconds = {**prod, **timer.seconds}
+        if waited is not None:
+            exposed = waited / max(prod.get("rollout", 0.0) + prod.get("reward", 0.0), 1e-9)
+            exposed = min(1.0, exposed)
+            timeline = [(n, t, sec * exposed) for n, t, sec in timeline]
+            seconds["rollout"] = prod.get("rollout", 0.0) * exposed
+            seconds["reward"] = prod.get("reward", 0.0) * exposed
+        return waterfall(params, self._peak_flops, sum(t for _, t, _ in timeline), timeline,
+                         tokens if ctx is not None else 0, passes, train,
+                         self.cfg.train.mode == "adapter", seconds, step_s)
 
     def _score(self, samples, rewards, keep) -> dict | None:
         """Old (trainer) and anchored reference logprobs, once per step; advantages."""
@@ -376,15 +506,16 @@ class RLTrainer:
         out["kl_coef"] = self.kl_ctl.value
         return out
 
-    def _step_metrics(self, samples, gen_tokens, timer) -> dict:
+    def _step_metrics(self, samples, gen_tokens, timer, prod) -> dict:
         lens = [len(s.completion_ids) for s in samples] or [0]
         return {
             "policy_version": self.step_idx,
             "completion_len_mean": sum(lens) / len(lens),
             "truncated_frac": sum(s.truncated for s in samples) / max(1, len(samples)),
-            "tokens_per_s": gen_tokens / max(timer.seconds.get("rollout", 0.0), 1e-9),
+            "tokens_per_s": gen_tokens / max(prod.get("rollout", 0.0), 1e-9),
+            "kv_blocks": self.engine.pool.num_blocks,
             "peak_memory_bytes": device_peak_bytes(self.device),
-            **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+            **{f"time_{k}_s": v for k, v in {**prod, **timer.seconds}.items()},
             **{f"mem_{k}_bytes": v for k, v in timer.memory.items()},
             **self.mem.step_metrics(timer),
         }
