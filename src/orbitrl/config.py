@@ -56,6 +56,7 @@ class TrainSection:
     micro_batch_tokens: int = 4096
     recompute: bool = False
     hand_back_memory: bool = True  # release the allocator's cache between phases
+    threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
     seed: int = 0
     deterministic: bool = False
 

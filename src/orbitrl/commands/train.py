@@ -33,7 +33,8 @@ def run(args) -> int:
 
     from orbitrl.rl.run import print_summary, run_training
 
-    torch.set_num_threads(1)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
     out = Path(args.resume or args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_training(cfg, out, resume=bool(args.resume))
     print_summary(summary, out)
