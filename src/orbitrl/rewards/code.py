@@ -21,7 +21,6 @@ sandbox itself (not in the program) is an error, not a 0, so a broken sandbox is
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,7 @@ from orbitrl.rewards.registry import register
 from orbitrl.rewards.sandbox import Job, RunResult, Sandbox
 from orbitrl.rewards.verifiers import cut_at_eos
 
-_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_PYTHON = ("python", "python3", "py")
 
 # run status -> metrics key (counts of test runs)
 OUTCOMES = {"ok": "passed", "wrong": "wrong", "runtime_error": "runtime_errors",
@@ -64,19 +63,41 @@ class BatchScores:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _fences(text: str) -> tuple[list[tuple[str, str]], list[int]]:
+    """Fenced blocks as (info string, body) and the offsets of every fence line; an
+    unterminated last block runs to the end (a completion cut at max_tokens)."""
+    blocks, offsets, body, info, pos = [], [], None, "", 0
+    for line in text.splitlines(keepends=True):
+        if line.strip().startswith("```"):
+            offsets.append(pos)
+            if body is None:
+                body, info = [], line.strip()[3:].strip().lower()
+            else:
+                blocks.append((info, "".join(body)))
+                body = None
+        elif body is not None:
+            body.append(line)
+        pos += len(line)
+    if body is not None:
+        blocks.append((info, "".join(body)))
+    return blocks, offsets
+
+
 def extract_program(completion: str, eos_text: str | None = None) -> str:
-    """The program in a completion: the first ```python (or ```py) fenced block, else the
-    first fenced block, else the text before a lone closing fence (a prompt that ends with
-    an opening fence is answered with code then ```), else the whole text."""
+    """The program in a completion: the first ```python (or ```py) fenced block; else, when
+    a lone bare fence closes code (the prompt opened the fence), the text before it; else
+    the first fenced block; else the whole text."""
     text = cut_at_eos(completion, eos_text)
-    blocks = _FENCE.findall(text)
-    for lang, body in blocks:
-        if lang:
+    blocks, offsets = _fences(text)
+    for info, body in blocks:
+        if info in _PYTHON:
             return body
+    if len(offsets) % 2 == 1 and text[:offsets[0]].strip():
+        first = text[offsets[0]:].split("\n", 1)[0].strip()
+        if first == "```":
+            return text[:offsets[0]]
     if blocks:
         return blocks[0][1]
-    if "```" in text:
-        return text.split("```", 1)[0]
     return text
 
 
@@ -173,7 +194,7 @@ class CodeReward:
                                "'tests' (or 'answer') holding test cases"))
                 continue
             try:
-                tests = parse_tests(raw, "reward 'code': field 'tests'")
+                tests = parse_tests(raw, "reward 'code': field tests")
             except OrbitError as e:
                 errors.append((i, "exception", str(e)))
                 continue

@@ -22,7 +22,12 @@ uid (``uid_base + slot``) so one program's fork bomb cannot starve a neighbour's
 Why a trusted harness: the interpreter starts on ``_HARNESS``, which sets the limits (and,
 in the fallback, drops root) before it compiles and runs the program; it writes one marker
 byte to stderr first, so a run whose stderr lacks it failed in the sandbox itself
-(``sandbox_error``), which a program cannot fake after the fact.
+(``sandbox_error``), which a program cannot fake after the fact. In a pid namespace the
+harness is the namespace's init (bwrap ``--as-pid-1``, unshare ``--fork``): it forks the
+program and exits with its status. The program cannot signal it (an init ignores signals
+from inside its namespace), and when it exits the kernel kills whatever the program left
+behind. bwrap's own init is not used because bwrap's outer process exits without reaping it,
+leaving a zombie for the host's init to collect.
 
 Output is read incrementally and bounded: past ``output_kb`` the program is killed, so
 printing a gigabyte costs at most that much host memory.
@@ -48,7 +53,8 @@ from orbitrl.rewards.procpool import Launch, RunResult, run_pool
 EXIT_MEMORY = 86
 MARKER = b"\x1e"
 
-# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1)
+# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1);
+# as init it forks the program and reports its status the way a shell does (128 + signal)
 _HARNESS = r"""
 import os, sys, resource as R
 uid, nproc, cpu, mem, fsize, nofile, fork = map(int, sys.argv[1:8])
@@ -157,7 +163,7 @@ class Sandbox:
         try:
             if backend == "bwrap":
                 prog = _memfile(job.source.encode())
-                argv = self._bwrap_argv(prog, uid) + harness + ["0"]
+                argv = self._bwrap_argv(prog, uid) + harness + ["1"]
                 user = dict(user=uid, group=uid, extra_groups=[]) if self.as_root else {}
                 try:
                     proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
@@ -195,7 +201,7 @@ class Sandbox:
         c = self.cfg
         size = str(c.file_mb << 20)
         argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-                "--die-with-parent", "--new-session", "--clearenv",
+                "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
                 "--setenv", "PYTHONHASHSEED", "0", "--setenv", "LC_ALL", "C.UTF-8"]
         if uid >= 0:
             argv += ["--uid", str(uid), "--gid", str(uid)]
