@@ -7,7 +7,8 @@ used for supervised warm-up); a test runs every solution against its tests in th
 so the tests are known to be passable.
 
 The prompt ends with an opening fence, so a completion is code followed by a closing fence
-(the code reward extracts either form). The problems are shuffled once with a fixed seed
+(the code reward extracts either form). Each problem also has a terse statement in the
+``short`` field, for models whose context cannot hold the full one. The problems are shuffled once with a fixed seed
 and cut into disjoint held-out and RL splits.
 """
 
@@ -164,6 +165,29 @@ PROBLEMS: dict[str, tuple[str, list[dict], str]] = {
                      "def is_anagram(a, b):\n    return sorted(a) == sorted(b)\n"),
 }
 
+# Terse statements (``short`` field) for models with a tiny context, such as the built-in
+# 64-token model: select them with data.prompt_field=short.
+SHORT: dict[str, str] = {
+    "sum_two": "stdin a b; print a+b", "gcd": "stdin a b; print gcd",
+    "lcm": "stdin a b; print lcm", "max_of_list": "stdin ints; print max",
+    "reverse_string": "stdin s; print s reversed", "count_vowels": "stdin s; print #vowels",
+    "factorial": "stdin n; print n!", "fibonacci": "stdin n; print fib(n)",
+    "is_prime": "stdin n; print YES if prime else NO", "sum_digits": "stdin n; print digit sum",
+    "palindrome": "stdin s; print YES if palindrome else NO",
+    "sort_numbers": "stdin ints; print sorted", "count_words": "stdin s; print #words",
+    "fizzbuzz": "stdin n; print fizzbuzz 1..n", "sum_n_lines": "stdin n then n ints; print sum",
+    "binary": "stdin n; print n in binary", "from_binary": "stdin binary; print decimal",
+    "min_max": "stdin ints; print min max", "average": "stdin ints; print mean .2f",
+    "uppercase": "stdin s; print upper", "char_count": "stdin s, c; print s.count(c)",
+    "triangle": "stdin n; print star triangle", "even_sum": "stdin ints; print even sum",
+    "power_mod": "stdin a b m; print a^b mod m", "distinct_count": "stdin ints; print #distinct",
+    "second_largest": "stdin ints; print 2nd largest", "f_add": "def add(a,b): a+b",
+    "f_is_even": "def is_even(n)", "f_reverse_words": "def reverse_words(s)",
+    "f_flatten": "def flatten(xss)", "f_count_chars": "def count_chars(s) -> dict",
+    "f_clamp": "def clamp(x,lo,hi)", "f_dedupe": "def dedupe(xs) keep order",
+    "f_digits": "def digits(n) -> list", "f_is_anagram": "def is_anagram(a,b)",
+}
+
 SPLITS = {"heldout": (0, 10), "rl": (10, None), "sft": (10, None)}
 
 
@@ -171,9 +195,14 @@ def _prompt(statement: str) -> str:
     return f"{statement}\nAnswer with Python code only.\n```python\n"
 
 
+def _short(name: str) -> str:
+    return f"{SHORT[name]}\n```python\n"
+
+
 def code_rows(split: str, limit: int | None = None) -> list[dict]:
-    """Rows ``{"prompt", "answer" (reference solution), "tests", "name"}`` of one split, in a
-    fixed order. ``sft`` is the RL split (its answers are the supervised targets)."""
+    """Rows ``{"prompt", "short", "answer" (reference solution), "tests", "name"}`` of one
+    split, in a fixed order. ``sft`` is the RL split (its answers are the supervised
+    targets)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     names = sorted(PROBLEMS)
@@ -182,6 +211,6 @@ def code_rows(split: str, limit: int | None = None) -> list[dict]:
     rows = []
     for name in names[lo:hi]:
         statement, tests, solution = PROBLEMS[name]
-        rows.append({"prompt": _prompt(statement), "answer": solution + "```",
-                     "tests": tests, "name": name})
+        rows.append({"prompt": _prompt(statement), "short": _short(name),
+                     "answer": solution + "```", "tests": tests, "name": name})
     return rows[:limit] if limit else rows
