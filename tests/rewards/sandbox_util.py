@@ -1,6 +1,7 @@
 """Backends to test on this machine: each one that works here (bwrap may be absent)."""
 
 import functools
+import shutil
 
 import pytest
 
@@ -20,3 +21,6 @@ def sandbox(backend: str, **over) -> Sandbox:
 
 
 BACKENDS = ["bwrap", "unshare"]
+
+# what `auto` picks on this machine; tests that are not about one backend use it
+DEFAULT = "bwrap" if shutil.which("bwrap") else "unshare"

@@ -1,6 +1,7 @@
 """The code reward: program extraction, test parsing, scoring, determinism, the batch
 deadline, and counts by outcome through the RewardRunner's per-source metrics."""
 
+import shutil
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
 from orbitrl.rewards.code import CodeReward, extract_program, parse_tests
 from orbitrl.rewards.sandbox import Job, Sandbox
-from sandbox_util import BACKENDS, LIMITS, sandbox
+from sandbox_util import BACKENDS, DEFAULT, LIMITS, sandbox
 
 GCD_TESTS = [{"input": "12 18\n", "output": "6\n"}, {"input": "7 13\n", "output": "1\n"},
              {"input": "100 75\n", "output": "25\n"}]
@@ -18,7 +19,7 @@ GCD_OK = "import math\na, b = map(int, input().split())\nprint(math.gcd(a, b))\n
 GCD_WRONG = "input()\nprint(1)\n"  # right on one test of three
 
 
-def _reward(backend="bwrap", **over):
+def _reward(backend=DEFAULT, **over):
     r = CodeReward(SandboxSection(backend=backend, **{**LIMITS, **over}))
     r._sandbox = sandbox(backend, **over)
     return r
@@ -94,7 +95,7 @@ def test_deterministic_for_deterministic_programs():
     b = r.score_batch(["p"] * len(progs), progs, fields)
     assert a.scores == b.scores and a.details == b.details and a.metrics == b.metrics
     # hash seed is fixed: even set order and hash() repeat across runs
-    box = sandbox("bwrap")
+    box = sandbox(DEFAULT)
     outs = {box.run(Job("print(set('abcdefgh'), hash('x'))")).stdout for _ in range(3)}
     assert len(outs) == 1
 
@@ -102,7 +103,7 @@ def test_deterministic_for_deterministic_programs():
 def test_batch_deadline_kills_and_skips():
     """Programs running at the deadline are killed and those not started are never started;
     all score 0 with reason 'deadline', and the call returns soon after the deadline."""
-    box = sandbox("bwrap", time_limit_s=60.0)
+    box = sandbox(DEFAULT, time_limit_s=60.0)
     t0 = time.monotonic()
     res = box.run_many([Job("import time\ntime.sleep(60)")] * 6, deadline_s=1.0)
     assert time.monotonic() - t0 < 1.0 + 5.0
@@ -179,10 +180,15 @@ def test_config_binds_the_reward_and_bad_values_fail():
 def test_missing_backend_is_a_clear_error(monkeypatch):
     import orbitrl.rewards.sandbox as S
 
-    real = S.shutil.which
+    real = shutil.which
     monkeypatch.setattr(S.shutil, "which", lambda name: None if name == "bwrap" else real(name))
     with pytest.raises(OrbitError, match="reward.sandbox.backend.*bwrap not installed"):
         Sandbox(SandboxSection(backend="bwrap"))
+    if shutil.which("unshare"):  # auto falls back to unshare when bwrap is missing
+        try:
+            assert Sandbox(SandboxSection(backend="auto")).backend == "unshare"
+        except OrbitError as e:
+            assert "unshare" in str(e)
     monkeypatch.setattr(S.shutil, "which", lambda name: None)
     with pytest.raises(OrbitError, match="install bubblewrap"):
         Sandbox(SandboxSection(backend="auto"))

@@ -249,8 +249,10 @@ def _classify(rc: int, stderr: bytes, time_limit_s: float) -> tuple[str, str]:
 def _kill_uid(uid: int, python: str) -> None:
     """Kill every process of ``uid`` (a worker slot's own uid): without a pid namespace,
     children a program left behind outlive it. kill(-1) from that uid reaches exactly them."""
-    subprocess.run([python, "-S", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"],
-                   user=uid, group=uid, extra_groups=[], env={}, cwd="/", timeout=10,
+    kill = shutil.which("kill")
+    argv = ([kill, "-9", "--", "-1"] if kill else
+            [python, "-S", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"])
+    subprocess.run(argv, user=uid, group=uid, extra_groups=[], env={}, cwd="/", timeout=10,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
