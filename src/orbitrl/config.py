@@ -128,11 +128,49 @@ class DataSection:
 
 
 @dataclass
+class SandboxSection:
+    """Limits of the sandbox that runs programs for code-execution rewards (docs/sandbox.md)."""
+
+    # auto: bwrap, else unshare; rlimits (no namespaces, so no network isolation) only if asked
+    backend: Literal["auto", "bwrap", "unshare", "rlimits"] = "auto"  # isolation mechanism
+    python: str = ""  # interpreter for programs; empty = this one if the sandbox uid can run it, else python3 from /usr
+    workers: int = 0  # programs run at once; 0 = one per CPU core
+    time_limit_s: float = 2.0  # per test: wall clock, and CPU time rounded up to whole seconds
+    deadline_s: float = 60.0  # per batch: programs still queued or running then are scored 0 ('deadline')
+    memory_mb: int = 512  # address space per program
+    output_kb: int = 1024  # stdout (and stderr) read per program; more is killed
+    file_mb: int = 16  # largest file; also the size of its private /tmp and work dir (bwrap)
+    open_files: int = 64  # file descriptors per program
+    max_procs: int = 16  # processes and threads per program
+    uid_base: int = 61000  # run as uid_base + worker slot when started as root
+
+    def __post_init__(self):
+        for key in ("time_limit_s", "deadline_s"):
+            if not getattr(self, key) > 0:
+                raise OrbitError(f"config key 'reward.sandbox.{key}' must be positive, "
+                                 f"got {getattr(self, key)}")
+        for key in ("memory_mb", "output_kb", "file_mb", "open_files", "max_procs"):
+            if getattr(self, key) < 1:
+                raise OrbitError(f"config key 'reward.sandbox.{key}' must be at least 1, "
+                                 f"got {getattr(self, key)}")
+        if self.workers < 0:
+            raise OrbitError(f"config key 'reward.sandbox.workers' must be 0 (one per core) "
+                             f"or positive, got {self.workers}")
+        if not 0 < self.uid_base < 2**31 - 4096:
+            raise OrbitError(f"config key 'reward.sandbox.uid_base' must be an unprivileged "
+                             f"uid, got {self.uid_base}")
+
+
+@dataclass
 class RewardSection:
     name: str = "exact_match"  # registered name, pkg.module:func, or rm:MODEL_DIR
     extra: list = field(default_factory=list)  # more reward sources, summed
     weights: list = field(default_factory=list)  # one weight per source (default all 1)
     timeout_s: float = 5.0  # per call; a reward past it scores 0 and is counted
+    sandbox: SandboxSection = field(default_factory=SandboxSection)  # code rewards only
+
+    def __post_init__(self):
+        self.sandbox.__post_init__()
 
 
 @dataclass

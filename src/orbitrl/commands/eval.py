@@ -1,5 +1,6 @@
 """`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`:
-greedy accuracy (for a data file, ``exact_match`` against its answer field)."""
+greedy accuracy (for a data file, ``exact_match`` against its answer field; for the built-in
+code task, the fraction of tests passed in the sandbox)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def add_arguments(parser):
     src.add_argument("--data", help="JSONL/Parquet file or HF dataset directory")
     parser.add_argument("--prompt-field", default="prompt")
     parser.add_argument("--answer-field", default="answer")
-    parser.add_argument("--reward", default="exact_match", help="registered reward name")
+    parser.add_argument("--reward", help="registered reward name (default: the task's own, "
+                        "code for --task code, else exact_match)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
@@ -24,7 +26,7 @@ def add_arguments(parser):
 def run(args) -> int:
     import torch
 
-    from orbitrl.data.datasets import load_rows, task_rows
+    from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows
     from orbitrl.engine import Engine, Request, SamplingParams
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.builtin import resolve_model_path
@@ -33,7 +35,7 @@ def run(args) -> int:
 
     torch.set_num_threads(1)
     path = resolve_model_path(args.model)
-    reward = get_reward(args.reward)
+    reward = get_reward(args.reward or TASK_REWARDS.get(args.task or "arith", "exact_match"))
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
         source = args.data

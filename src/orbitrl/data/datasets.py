@@ -8,15 +8,22 @@ from pathlib import Path
 
 from orbitrl.errors import OrbitError
 
-TASKS = ("arith",)
+TASKS = ("arith", "code")
+# the reward each built-in task is scored with when none is given (orbitrl eval)
+TASK_REWARDS = {"arith": "exact_match", "code": "code"}
 
 
 def task_rows(name: str, split: str, limit: int | None = None) -> list[dict]:
-    """Rows of a built-in task's split (``sft``, ``rl``, ``heldout``)."""
+    """Rows of a built-in task's split (``sft``, ``rl``, ``heldout``): ``arith``
+    (two-digit addition) or ``code`` (small Python problems with tests)."""
     if name == "arith":
         from orbitrl.data.arith import arith_rows
 
         return arith_rows(split, limit)
+    if name == "code":
+        from orbitrl.data.code_tasks import code_rows
+
+        return code_rows(split, limit)
     raise OrbitError(f"data.task {name!r}: no such built-in task (have: {', '.join(TASKS)})")
 
 

@@ -9,7 +9,7 @@ token ids and fields only, never a model or the trainer.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Any, Callable
 
 from orbitrl.errors import OrbitError
 
@@ -45,11 +45,14 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_reward(name: str | RewardFn) -> RewardFn:
+def get_reward(name: str | RewardFn, config: Any = None) -> RewardFn:
     """Resolve a registered name or a "pkg.module:func" import path to a reward function.
 
     Args:
         name: a registered name, an import path, or a callable (returned as is).
+        config: the run's ``reward`` config section; a reward that has settings there (the
+            ``code`` reward's sandbox) has a ``with_config(section)`` method and is bound
+            to them. Without it, such a reward uses its defaults.
 
     Returns:
         The callable.
@@ -62,7 +65,8 @@ def get_reward(name: str | RewardFn) -> RewardFn:
         return name
     _load_builtins()
     if name in _REGISTRY:
-        return _REGISTRY[name]
+        fn = _REGISTRY[name]
+        return fn.with_config(config) if config is not None and hasattr(fn, "with_config") else fn
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -84,4 +88,5 @@ def get_reward(name: str | RewardFn) -> RewardFn:
 
 def _load_builtins() -> None:
     # verifiers registers itself on import; imported here, not at the top, to avoid a cycle
+    import orbitrl.rewards.code  # noqa: F401
     import orbitrl.rewards.verifiers  # noqa: F401

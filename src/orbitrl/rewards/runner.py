@@ -11,6 +11,12 @@ function returns (its result is then discarded) or the process exits (daemon thr
 block exit). Each abandoned call is counted in `leaked_threads`; a reward that hangs forever
 leaks one thread per call, so fix or drop such a source. At most `max_workers` calls run at
 once; a call's limit starts when it starts, not when it was queued.
+
+Batch sources: a reward with a ``score_batch(prompts, completions, fields)`` method (the
+``code`` reward) is called once per batch, in the caller's thread, after the per-sample
+sources; it enforces its own deadline (it kills its programs), so the thread limit above
+does not apply to it. Its per-sample errors count like any other, and its metrics (counts by
+outcome) are reported as ``reward_<src>_<key>``.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ class RewardError:
 @dataclass
 class RewardResult:
     """rewards: [B] weighted sums; per_source: name -> [B] raw scores (0.0 where failed);
-    errors: every failed call; metrics: reward_mean, reward_<src>_mean (failed calls counted
+    errors: every failed call; details: what batch sources report per sample (the code
+    reward: each test's status and reason); metrics: reward_mean, reward_<src>_mean (failed calls counted
     as 0, i.e. what training sees), reward_<src>_errors (exceptions and bad returns),
     reward_<src>_timeouts, reward_errors_total, reward_timeouts_total."""
 
@@ -67,6 +74,7 @@ class RewardResult:
     per_source: dict[str, list[float]]
     errors: list[RewardError]
     metrics: dict[str, float]
+    details: dict[str, list[Any]] = field(default_factory=dict)  # batch sources: per sample
 
 
 def _check_value(value: Any) -> tuple[float | None, str, str]:
@@ -114,7 +122,8 @@ class RewardRunner:
         if len(completions) != n or (fields is not None and len(fields) != n):
             raise ValueError("prompts, completions and fields must have the same length")
         fields = fields if fields is not None else [{} for _ in range(n)]
-        calls = [(i, k) for k in range(len(self.sources)) for i in range(n)]
+        batch = [k for k, fn in enumerate(self._fns) if hasattr(fn, "score_batch")]
+        calls = [(i, k) for k in range(len(self.sources)) if k not in batch for i in range(n)]
         outcomes = self._run(calls, prompts, completions, fields)
 
         per_source = {s.name: [0.0] * n for s in self.sources}
@@ -127,6 +136,10 @@ class RewardRunner:
                     per_source[src.name][i] = score
                     continue
             errors.append(RewardError(i, src.name, kind, payload))
+        extra: dict[str, float] = {}
+        details: dict[str, list[Any]] = {}
+        for k in batch:
+            self._run_batch(k, prompts, completions, fields, per_source, errors, extra, details)
 
         rewards = [sum(s.weight * per_source[s.name][i] for s in self.sources) for i in range(n)]
         metrics: dict[str, float] = {"reward_mean": sum(rewards) / n if n else 0.0}
@@ -137,7 +150,32 @@ class RewardRunner:
             metrics[f"reward_{s.name}_timeouts"] = float(sum(e.kind == "timeout" for e in errs))
         metrics["reward_errors_total"] = float(sum(e.kind != "timeout" for e in errors))
         metrics["reward_timeouts_total"] = float(sum(e.kind == "timeout" for e in errors))
-        return RewardResult(rewards, per_source, errors, metrics)
+        metrics.update(extra)
+        return RewardResult(rewards, per_source, errors, metrics, details)
+
+    def _run_batch(self, k, prompts, completions, fields, per_source, errors, extra,
+                   details) -> None:
+        """One call of batch source k over all samples; fills its scores, errors, metrics."""
+        src = self.sources[k]
+        rows = [{**row, **src.kwargs} for row in fields]
+        try:
+            out = self._fns[k].score_batch(prompts, completions, rows)
+        except Exception as e:  # noqa: BLE001 - the whole batch failed: every sample errs
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
+            errors.extend(RewardError(i, src.name, "exception", reason)
+                          for i in range(len(prompts)))
+            return
+        for i, score in enumerate(out.scores):
+            if score is None:
+                continue
+            value, kind, reason = _check_value(score)
+            if value is None:
+                errors.append(RewardError(i, src.name, kind, reason))
+            else:
+                per_source[src.name][i] = value
+        errors.extend(RewardError(i, src.name, kind, reason) for i, kind, reason in out.errors)
+        extra.update({f"reward_{src.name}_{key}": float(v) for key, v in out.metrics.items()})
+        details[src.name] = list(out.details)
 
     def _call(self, k: int, prompt: str, completion: str, row: dict[str, Any]) -> tuple[str, Any]:
         try:

@@ -45,7 +45,7 @@ def reward_sources(rc) -> list:
 
             out.append(RewardSource(RewardModel(n[3:]), weight=w, name="rm"))
         else:
-            out.append(RewardSource(get_reward(n), weight=w, name=n))
+            out.append(RewardSource(get_reward(n, rc), weight=w, name=n))
     return out
 
 

@@ -1,0 +1,90 @@
+"""Programs per second through the sandbox against spawning plain ``python`` per program.
+
+Claim: isolation costs a small factor over a bare interpreter start, because Python's
+startup dominates and the sandbox's ``python -S`` skips the site import. Every row runs the
+same trivial program (read a line, print it back) the same number of times, with the same
+parallelism (one worker per core) and the same pipes, measured side by side in one run.
+
+    PYTHONPATH=src python benchmarks/bench_sandbox.py [--n 100] [--rounds 3] [--workers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from orbitrl.config import SandboxSection
+from orbitrl.errors import OrbitError
+from orbitrl.rewards.sandbox import Job, Sandbox
+
+PROGRAM = "print(input())"
+
+
+def plain(python: str, flags: list[str], n: int, workers: int) -> float:
+    """Programs/s spawning ``python FLAGS -c PROGRAM`` directly (no isolation, no limits)."""
+    def one(_):
+        out = subprocess.run([python, *flags, "-c", PROGRAM], input=b"7\n",
+                             capture_output=True, check=True)
+        assert out.stdout == b"7\n"
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+def sandboxed(backend: str, n: int, workers: int) -> tuple[float, str] | None:
+    try:
+        box = Sandbox(SandboxSection(backend=backend, workers=workers))
+    except OrbitError as e:
+        print(f"(skipping {backend}: {e})", file=sys.stderr)
+        return None
+    t0 = time.perf_counter()
+    res = box.run_many([Job(PROGRAM, b"7\n")] * n)
+    rate = n / (time.perf_counter() - t0)
+    bad = [r for r in res if r.status != "ok" or r.stdout != b"7\n"]
+    assert not bad, bad[0]
+    return rate, box.python.executable
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=100, help="programs per row and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median kept)")
+    ap.add_argument("--workers", type=int, default=0, help="parallel programs (0: per core)")
+    args = ap.parse_args()
+    workers = args.workers or os.cpu_count() or 1
+    backends = []
+    for backend in ("bwrap", "unshare", "rlimits"):
+        got = sandboxed(backend, 4, workers)  # also warms the page cache
+        if got:
+            backends.append(backend)
+            python = got[1]
+    if not backends:
+        python = sys.executable
+    rows: dict[str, list[float]] = {}
+    # rounds interleave the rows, so a noisy neighbour on a shared machine hits all of them
+    for _ in range(args.rounds):
+        rows.setdefault("plain `python -c`", []).append(plain(python, [], args.n, workers))
+        rows.setdefault("plain `python -S -s -B -c`", []).append(
+            plain(python, ["-S", "-s", "-B"], args.n, workers))
+        for backend in backends:
+            rows.setdefault(f"sandbox, {backend}", []).append(
+                sandboxed(backend, args.n, workers)[0])
+    rate = {k: statistics.median(v) for k, v in rows.items()}
+    base = rate["plain `python -c`"]
+    print(f"{args.n} programs per row and round, median of {args.rounds} interleaved rounds, "
+          f"{workers} at a time, {os.cpu_count()} CPU cores, interpreter {python}\n")
+    print("| how each program runs | programs/s | ratio to plain python |")
+    print("|---|---|---|")
+    for name, r in rate.items():
+        print(f"| {name} | {r:.1f} | {r / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

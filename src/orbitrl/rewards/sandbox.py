@@ -1,0 +1,353 @@
+"""Run untrusted Python programs: one process per program, isolated and bounded.
+
+Each program gets a fresh, empty working directory, a cleared environment, its own user id
+(when orbitrl runs as root), and limits on CPU time, wall time, address space, open files,
+file size and processes. The isolation comes from one of three backends:
+
+- ``bwrap`` (bubblewrap): new user, pid, network, ipc, uts and cgroup namespaces; a root
+  file system holding only the interpreter, its standard library and the system libraries
+  (read-only), a private size-capped tmpfs for /tmp and for the working directory, /dev with
+  the usual null/zero/urandom nodes. Nothing else of the host is visible.
+- ``unshare`` (fallback when bwrap is missing): new network and pid namespaces, a private
+  working directory on the host disk, an unprivileged uid when started as root. The file
+  system is the host's: the program can read what Unix permissions let its uid read and
+  write world-writable places (/tmp, /dev/shm). See docs/sandbox.md.
+- ``rlimits``: limits and the uid only, no namespaces (no network isolation); never chosen
+  by ``auto``.
+
+Why a separate uid: RLIMIT_NPROC is counted per user and ignored for root, so a fork bomb
+is only bounded when the program runs as an unprivileged uid. Each worker slot gets its own
+uid (``uid_base + slot``) so one program's fork bomb cannot starve a neighbour's threads.
+
+Why a trusted harness: the interpreter starts on ``_HARNESS``, which sets the limits (and,
+in the fallback, drops root) before it compiles and runs the program; it writes one marker
+byte to stderr first, so a run whose stderr lacks it failed in the sandbox itself
+(``sandbox_error``), which a program cannot fake after the fact. In a pid namespace the
+harness is the namespace's init (bwrap ``--as-pid-1``, unshare ``--fork``): it forks the
+program and exits with its status. The program cannot signal it (an init ignores signals
+from inside its namespace), and when it exits the kernel kills whatever the program left
+behind. bwrap's own init is not used because bwrap's outer process exits without reaping it,
+leaving a zombie for the host's init to collect.
+
+Output is read incrementally and bounded: past ``output_kb`` the program is killed, so
+printing a gigabyte costs at most that much host memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from orbitrl.config import SandboxSection
+from orbitrl.errors import OrbitError
+from orbitrl.rewards.procpool import Launch, RunResult, run_pool
+
+# exit code of the harness when the program ran out of address space (MemoryError)
+EXIT_MEMORY = 86
+MARKER = b"\x1e"
+
+# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1);
+# as init it forks the program and reports its status the way a shell does (128 + signal)
+_HARNESS = r"""
+import os, sys, resource as R
+uid, nproc, cpu, mem, fsize, nofile, fork = map(int, sys.argv[1:8])
+os.write(2, b"\x1e")
+if fork and os.getpid() == 1:
+    pid = os.fork()
+    if pid:
+        st = os.waitpid(pid, 0)[1]
+        os._exit(128 + os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st))
+if uid >= 0 and os.geteuid() == 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+for k, v in ((R.RLIMIT_CPU, (cpu, cpu + 1)), (R.RLIMIT_AS, (mem, mem)),
+             (R.RLIMIT_FSIZE, (fsize, fsize)), (R.RLIMIT_NOFILE, (nofile, nofile)),
+             (R.RLIMIT_NPROC, (nproc, nproc)), (R.RLIMIT_CORE, (0, 0))):
+    R.setrlimit(k, v)
+del uid, nproc, cpu, mem, fsize, nofile, fork, k, v, R
+sys.argv = ["main.py"]
+with open("main.py", "rb") as f:
+    src = f.read()
+g = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
+try:
+    exec(compile(src, "main.py", "exec"), g)
+except MemoryError:
+    os.write(2, b"MemoryError\n")
+    os._exit(86)
+"""
+
+
+@dataclass
+class Job:
+    """One program run: its source and what it reads on stdin."""
+
+    source: str
+    stdin: bytes = b""
+
+
+@dataclass(frozen=True)
+class _Python:
+    executable: str
+    binds: tuple[str, ...]  # directories the interpreter needs (stdlib, its shared library)
+    hidden: tuple[str, ...]  # site-packages directories inside those, masked by a tmpfs
+
+
+class Sandbox:
+    """Runs programs under one SandboxSection's limits.
+
+    Args:
+        cfg: the limits and backend (config ``reward.sandbox``).
+
+    Raises:
+        OrbitError: the requested backend (or, for ``auto``, every backend) does not work on
+            this machine, or no interpreter the sandbox user can run was found.
+    """
+
+    def __init__(self, cfg: SandboxSection | None = None):
+        self.cfg = cfg or SandboxSection()
+        self.workers = self.cfg.workers or os.cpu_count() or 1
+        self.as_root = os.geteuid() == 0
+        self.python = _find_python(self.cfg.python, self.as_root)
+        order = ["bwrap", "unshare"] if self.cfg.backend == "auto" else [self.cfg.backend]
+        problems = []
+        for backend in order:
+            problem = _probe(self, backend)
+            if problem is None:
+                self.backend = backend
+                break
+            problems.append(f"{backend}: {problem}")
+        else:
+            raise OrbitError(f"config key 'reward.sandbox.backend' ({self.cfg.backend}): no "
+                             f"working sandbox ({'; '.join(problems)}); install bubblewrap, "
+                             f"or set reward.sandbox.backend=rlimits to run without namespaces")
+
+    def run(self, job: Job) -> RunResult:
+        """Run one program (see run_many)."""
+        return self.run_many([job])[0]
+
+    def run_many(self, jobs: list[Job], deadline_s: float | None = None) -> list[RunResult]:
+        """Run programs, up to ``workers`` at once, each under the per-test limits.
+
+        Args:
+            jobs: the programs.
+            deadline_s: the whole batch's budget (default: the config's ``deadline_s``);
+                programs running at that moment are killed, those not started are not
+                started, and both are reported with status ``deadline``.
+
+        Returns:
+            One RunResult per job, in order.
+        """
+        deadline = self.cfg.deadline_s if deadline_s is None else deadline_s
+        return run_pool([functools.partial(self._launch, job) for job in jobs],
+                        self.workers, deadline, self.cfg.time_limit_s,
+                        self.cfg.output_kb * 1024, _classify)
+
+    # --- one launch --------------------------------------------------------------------
+    def _launch(self, job: Job, slot: int, backend: str | None = None) -> Launch:
+        """Start ``job`` in worker slot ``slot``; the pool owns the process from then on."""
+        backend = backend or self.backend
+        c = self.cfg
+        uid = c.uid_base + slot if self.as_root else -1
+        harness = [self.python.executable, "-S", "-s", "-B", "-X", "utf8", "-c", _HARNESS,
+                   str(uid), str(c.max_procs), str(max(1, math.ceil(c.time_limit_s))),
+                   str(c.memory_mb << 20), str(c.file_mb << 20), str(c.open_files)]
+        env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
+        stdin = _memfile(job.stdin)
+        workdir = None
+        try:
+            if backend == "bwrap":
+                prog = _memfile(job.source.encode())
+                argv = self._bwrap_argv(prog, uid) + harness + ["1"]
+                user = dict(user=uid, group=uid, extra_groups=[]) if self.as_root else {}
+                try:
+                    proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, env=env, cwd="/",
+                                            pass_fds=(prog,), start_new_session=True, **user)
+                finally:
+                    os.close(prog)
+            else:
+                workdir = tempfile.mkdtemp(prefix="orbitrl-sbx-")
+                with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                    f.write(job.source)
+                if self.as_root:
+                    for p in (workdir, os.path.join(workdir, "main.py")):
+                        os.chown(p, uid, uid)
+                os.chmod(workdir, 0o700)
+                prefix = _unshare_prefix(self.as_root) if backend == "unshare" else []
+                proc = subprocess.Popen(prefix + harness + ["1" if prefix else "0"],
+                                        stdin=stdin, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env, cwd=workdir,
+                                        start_new_session=True)
+        except BaseException:
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        finally:
+            os.close(stdin)
+        def cleanup() -> None:
+            if backend == "rlimits" and uid >= 0:
+                _kill_uid(uid, self.python.executable)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        return Launch(proc, cleanup, wrapped=backend != "rlimits")
+
+    def _bwrap_argv(self, prog_fd: int, uid: int) -> list[str]:
+        c = self.cfg
+        size = str(c.file_mb << 20)
+        argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+                "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
+                "--setenv", "PYTHONHASHSEED", "0", "--setenv", "LC_ALL", "C.UTF-8"]
+        if uid >= 0:
+            argv += ["--uid", str(uid), "--gid", str(uid)]
+        for d in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib32", "/lib32"):
+            if os.path.islink(d):
+                argv += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                argv += ["--ro-bind", d, d]
+        for d in self.python.binds:
+            argv += ["--ro-bind", d, d]
+        for d in self.python.hidden:
+            argv += ["--tmpfs", d]
+        argv += ["--ro-bind", self.python.executable, self.python.executable,
+                 "--dev", "/dev", "--proc", "/proc",
+                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/sandbox",
+                 "--file", str(prog_fd), "/sandbox/main.py", "--chdir", "/sandbox", "--"]
+        return argv
+
+
+def _classify(rc: int, stderr: bytes, time_limit_s: float) -> tuple[str, str]:
+    """(status, reason) of a process that exited on its own with code ``rc``."""
+    if not stderr.startswith(MARKER):
+        text = stderr.decode("utf-8", "replace").strip().splitlines()
+        return "sandbox_error", f"sandbox failed (exit {rc}): {text[-1] if text else 'no message'}"
+    if rc == 0:
+        return "ok", ""
+    if rc == EXIT_MEMORY:
+        return "memory", "out of memory (address-space limit)"
+    if rc > 128:
+        sig = rc - 128
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if sig == signal.SIGXCPU:
+            return "time_limit", f"CPU time limit ({time_limit_s:g} s)"
+        if sig == signal.SIGXFSZ:
+            return "file_limit", "file size limit"
+        return "signal", f"killed by {name}"
+    lines = stderr[1:].decode("utf-8", "replace").strip().splitlines()
+    last = lines[-1].strip() if lines else ""
+    if last.startswith("OSError: [Errno 27]") or last.startswith("OSError: [Errno 28]"):
+        # Python ignores SIGXFSZ, so a file past the limit (or a full tmpfs) is an OSError
+        return "file_limit", f"file size limit: {last[:120]}"
+    return "runtime_error", f"exit {rc}" + (f": {last[:160]}" if last else "")
+
+
+def _kill_uid(uid: int, python: str) -> None:
+    """Kill every process of ``uid`` (a worker slot's own uid): without a pid namespace,
+    children a program left behind outlive it. kill(-1) from that uid reaches exactly them."""
+    kill = shutil.which("kill")
+    argv = ([kill, "-9", "--", "-1"] if kill else
+            [python, "-S", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"])
+    subprocess.run(argv, user=uid, group=uid, extra_groups=[], env={}, cwd="/", timeout=10,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _memfile(data: bytes) -> int:
+    """A readable fd positioned at the start of ``data`` (a memfd, else an unlinked file)."""
+    try:
+        fd = os.memfd_create("orbitrl-sbx", 0)
+    except (AttributeError, OSError):
+        fd, path = tempfile.mkstemp(prefix="orbitrl-sbx-")
+        os.unlink(path)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _unshare_prefix(as_root: bool) -> list[str]:
+    """unshare(1): new network and pid namespaces; without root, a user namespace too."""
+    return ["unshare", "--net", "--pid", "--fork", "--kill-child"] + ([] if as_root else ["-r"])
+
+
+def _world_usable(path: str) -> bool:
+    """Whether a uid with no groups in common can reach ``path`` (every parent searchable
+    by others, the file itself readable/executable by others)."""
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    for i in range(2, len(parts)):
+        if not os.stat(os.sep.join(parts[:i]) or os.sep).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & 0o005 == 0o005)
+
+
+@functools.lru_cache(maxsize=None)
+def _python_info(executable: str) -> _Python | None:
+    code = ("import sys, sysconfig, os; p = sysconfig.get_paths(); "
+            "print(p['stdlib']); print(p['platstdlib']); "
+            "print(sysconfig.get_config_var('LIBDIR') or ''); "
+            "print(sysconfig.get_config_var('LDLIBRARY') or '')")
+    try:
+        out = subprocess.run([executable, "-S", "-s", "-c", code], capture_output=True,
+                             text=True, timeout=30, env={})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    stdlib, platstdlib, libdir, ldlib = (out.stdout.splitlines() + ["", "", "", ""])[:4]
+    binds = {os.path.realpath(stdlib), os.path.realpath(platstdlib)}
+    if libdir and ldlib and os.path.exists(os.path.join(libdir, ldlib)):
+        binds.add(os.path.realpath(os.path.join(libdir, ldlib)))
+    system = ("/usr/lib/", "/usr/lib64/", "/lib/", "/lib64/")
+    binds = tuple(sorted(b for b in binds if os.path.exists(b)
+                         and not (b + "/").startswith(system)))
+    hidden = tuple(os.path.join(d, sub) for d in {os.path.realpath(stdlib)}
+                   for sub in ("site-packages", "dist-packages")
+                   if os.path.isdir(os.path.join(d, sub)))
+    return _Python(os.path.realpath(executable), binds, hidden)
+
+
+def _find_python(configured: str, as_root: bool) -> _Python:
+    """The interpreter programs run with. As root, programs run as an unprivileged uid, so
+    the interpreter must be usable by others (a Python installed under /root is not)."""
+    if configured:
+        candidates = [configured]
+    else:
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        candidates = [sys.executable, f"/usr/local/bin/{ver}", f"/usr/bin/{ver}",
+                      "/usr/local/bin/python3", "/usr/bin/python3"]
+    tried = []
+    for c in candidates:
+        path = shutil.which(c) if os.sep not in c else c
+        if not path or not os.path.exists(path):
+            tried.append(f"{c} (not found)")
+            continue
+        if as_root and not _world_usable(path):
+            tried.append(f"{c} (not usable by an unprivileged uid)")
+            continue
+        info = _python_info(path)
+        if info is None:
+            tried.append(f"{c} (does not run)")
+            continue
+        return info
+    raise OrbitError(f"config key 'reward.sandbox.python': no interpreter the sandbox can "
+                     f"run; tried {', '.join(tried)}")
+
+
+def _probe(box: Sandbox, backend: str) -> str | None:
+    """None when ``backend`` runs a trivial program correctly here, else why not."""
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        return "bwrap not installed"
+    if backend == "unshare" and shutil.which("unshare") is None:
+        return "unshare not installed"
+    job = Job("import math, json\nprint(json.dumps(math.gcd(12, 18)))\n")
+    res = run_pool([lambda slot: box._launch(job, slot, backend)], 1, 30.0, 30.0, 1 << 16,
+                   _classify)[0]
+    if res.status == "ok" and res.stdout.strip() == b"6":
+        return None
+    return f"{res.status}: {res.reason or res.stdout[:80]!r}"
