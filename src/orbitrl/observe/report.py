@@ -24,6 +24,14 @@ PLOTS = [
     ("memory", "Memory by phase (MiB)", lambda k: k.startswith("mem_") or
      k == "peak_memory_bytes"),
     ("tokens", "Rollout tokens/s", lambda k: k == "tokens_per_s"),
+    ("update", "Update size relative to the weights", lambda k: k == "update_rel"),
+    ("staleness", "Staleness of the samples (optimizer steps)",
+     lambda k: k in ("staleness_mean", "staleness_max")),
+    ("kv_pool", "KV pool: blocks, throttle and grow events",
+     lambda k: k in ("kv_blocks", "kv_throttle_events", "kv_grow_events")),
+    ("sandbox", "Code reward outcomes (counts per step)",
+     lambda k: k.startswith("reward_code_") and k not in ("reward_code_mean",
+                                                           "reward_code_pass_rate")),
 ]
 
 
