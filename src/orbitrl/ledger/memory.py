@@ -320,7 +320,7 @@ def predict_peak(model, strategy: Strategy | str, workload: Workload | None = No
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
                        kv_dtype: str | None = None, device: str = "cpu",
-                       recompute: bool = False) -> dict:
+                       recompute: bool = False, devices: int = 1) -> dict:
     """:func:`predict_peak` for one orbitrl run (``orbitrl.config.Config``) on one device.
 
     Maps the run to the ledger's inputs: strategy from ``train.mode`` / ``train.optimizer``
