@@ -134,10 +134,31 @@ def init_distributed(cfg, env=None) -> Dist:
     elif cfg.model.device.startswith("cuda"):
         raise OrbitError("config key 'dist.backend': gloo with a cuda model.device is not "
                          "supported here; use nccl (or auto)")
+    if backend == "gloo":
+        return_large_blocks()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, timeout=timedelta(seconds=d.timeout_s))
     return Dist(rank=rank, world=world, local_rank=local, backend=backend,
                 timeout_s=d.timeout_s)
+
+
+def return_large_blocks(threshold: int = 256 << 10) -> bool:
+    """Serve host allocations of ``threshold`` bytes and more from their own mappings,
+    returned to the OS when freed (glibc ``mallopt(M_MMAP_THRESHOLD)``).
+
+    Sharded training on the host allocates and frees a gathered layer (and a gradient
+    bucket for the reduce-scatter) per layer per pass. glibc's default raises its mmap
+    threshold after the first such free, so these buffers then come from the heap, which
+    fragments: measured on a 4-layer model, a rank's resident peak in training grew from
+    38 to 100 MiB over 4 steps. Pinning the threshold keeps it at 38. Returns False where
+    the C library has no ``mallopt``.
+    """
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def shutdown(dist: Dist):

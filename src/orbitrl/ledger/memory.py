@@ -19,6 +19,7 @@ another group (orbitrl's own quantizer defaults to ``formats.INT4_GROUP``) passe
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from orbitrl.ledger.formats import PLANNER_INT4_GROUP, PLANNER_PARAM_BYTES, bytes_per_param
@@ -328,7 +329,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     the workload from ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the
     longest prompt of the task, in tokens), the KV pool as the engine allocated it. On a CPU
     device the host tier is the same memory, so host terms (the full-parameter mode's int8
-    reference) are added to every phase.
+    reference) are added to every phase. ``devices > 1``: one rank of a torchrun run, see
+    :func:`sharded_runtime_terms`.
     """
     t, r = cfg.train, cfg.rollout
     compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
@@ -341,7 +343,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
         strat = Strategy("adamw" if opt == "adamw" else "stateless", weight_dtype=compute,
                          grad_dtype=compute, dense_dtype=compute)
     seq_len = prompt_len + r.max_tokens
-    samples = r.n * r.prompts_per_step
+    n = max(1, int(devices))
+    samples = math.ceil(r.n * r.prompts_per_step / n)  # this rank's share of the step
     work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
                     micro_batch=max(1, min(samples, t.micro_batch_tokens // seq_len)),
                     samples_per_step=samples, block_size=r.block_size,
@@ -369,6 +372,10 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
             ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
     elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
         terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
+    if n > 1:
+        sharded_runtime_terms(terms, shape, strat, n, PARAM_BYTES[compute],
+                              base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",
+                              prefetch_depth=cfg.dist.prefetch_layers)
     if device != "cuda":
         for ph in terms.values():
             ph.update({f"host:{k}": b for k, b in host.items()})
@@ -376,3 +383,58 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     out["peak"] = max(out.values())
     out["terms"] = terms
     return out
+
+
+def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
+                          dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1
+                          ) -> dict:
+    """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
+    layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
+
+    - ``actor:weights``: every *parameter* is split over the ranks: the whole model in full
+      mode; in adapter mode the adapters, embeddings and norms, and the frozen projections
+      only when they are plain parameters (``base_sharded``: an fp32 base); a bf16 or
+      quantized base lives in buffers and stays whole on every rank.
+    - ``comm_buffers:gather``: ``prefetch_depth + 1`` decoder layers' sharded parameters
+      gathered whole at once (the computing layer and the prefetched one), in every phase
+      (generation and scoring gather per layer too, in lockstep).
+    - ``comm_buffers:root``: the root group (embeddings, head, final norm) gathered whole
+      from a phase's first forward to its end.
+    - stateless full mode, ``actor:layer_grad``: a gathered layer's (or the root's) whole
+      gradient plus the reduce-scatter's input copy of it; ``actor:update_workspace``: the
+      fused update's temporaries on this rank's shard of the largest tensor.
+    - AdamW moments and persistent gradients: split over the ranks.
+    The KV pool, activations (already of this rank's share of samples) and the host-resident
+    int8 reference (replicated) are unchanged.
+    """
+    root = shape.embed_params + shape.hidden
+    if strategy.kind == "adapter":
+        a = shape.adapter_params(strategy.adapter_rank)
+        proj = projection_params(shape)
+        proj_b = proj * strategy.bytes_per_param()
+        dense = (shape.total_params - proj) * dense_bytes
+        per_layer = (a / shape.num_layers) * dense_bytes + 2 * shape.hidden * dense_bytes
+        if base_sharded:
+            weights = math.ceil((proj_b + dense + 2 * a) / n)
+            per_layer += (shape.layer_params - 2 * shape.hidden) * dense_bytes
+        else:
+            weights = int(proj_b) + math.ceil((dense + 2 * a) / n)
+    else:
+        weights = math.ceil(shape.total_params * strategy.bytes_per_param() / n)
+        per_layer = shape.gathered_layer_params * strategy.bytes_per_param()
+    gb = PARAM_BYTES[strategy.grad_dtype]
+    for ph in terms.values():
+        if "actor:weights" in ph:
+            ph["actor:weights"] = weights
+        if "actor:optimizer" in ph:
+            ph["actor:optimizer"] = math.ceil(ph["actor:optimizer"] / n)
+        ph["comm_buffers:gather"] = int((prefetch_depth + 1) * per_layer)
+        ph["comm_buffers:root"] = int(root * dense_bytes)
+    train = terms["train"]
+    if "actor:grads" in train:
+        train["actor:grads"] = math.ceil(train["actor:grads"] / n)
+    if strategy.kind == "stateless":
+        train["actor:layer_grad"] = int(2 * max(shape.gathered_layer_params, root) * gb)
+        train["actor:update_workspace"] = int(
+            2 * math.ceil(largest_tensor_params(shape) / n) * gb)
+    return terms
