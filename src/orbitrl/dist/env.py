@@ -162,5 +162,7 @@ def return_large_blocks(threshold: int = 256 << 10) -> bool:
 
 
 def shutdown(dist: Dist):
+    """Leave together: no rank tears the group down while another still uses it."""
     if dist.enabled and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
