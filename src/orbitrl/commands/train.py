@@ -48,7 +48,8 @@ def run(args) -> int:
             raise
         # a peer died or hung: its collective failed here; nothing is saved now (that would
         # need the lost rank), the last complete checkpoint stays the resume point
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.rsplit("] ", 1)[-1][:200]  # gloo prefixes its source location
         raise OrbitError(f"rank {dist.rank}/{dist.world}: lost another rank mid-step (it "
                          f"exited, or a collective waited past dist.timeout_s="
                          f"{dist.timeout_s:g}s): {first}; resume from the last checkpoint "
