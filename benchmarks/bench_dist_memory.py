@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -51,23 +52,32 @@ def build_model(out: Path, hidden: int, layers: int, intermediate: int, seed: in
         shutil.copy(src / f, out / f)
 
 
-def train_args(model: Path, steps: int) -> list[str]:
+def train_args(model: Path, steps: int, prompts: int = 4, micro_batch_tokens: int = 48
+               ) -> list[str]:
     sets = [f"model.path={model}", "model.base_dtype=fp32", "train.mode=full",
-            f"train.max_steps={steps}", "rollout.prompts_per_step=4", "rollout.n=2",
+            f"train.max_steps={steps}", f"rollout.prompts_per_step={prompts}", "rollout.n=2",
             "rollout.max_tokens=4", "rollout.kv_budget_mb=4", "data.heldout_size=4",
-            "log.progress=false", "checkpoint.every=0", "train.lr=1e-4"]
+            "log.progress=false", "checkpoint.every=0", "train.lr=1e-4",
+            # one micro-batch holds 4 samples in both runs (the 2 ranks' 4 each, the one
+            # process's 8 in two): activations are the same per micro-batch, so the drop
+            # from 1 to 2 processes is the sharded terms' (weights, gathers, gradients)
+            f"train.micro_batch_tokens={micro_batch_tokens}"]
     out = ["train"]
     for s in sets:
         out += ["--set", s]
     return out
 
 
-def run(model: Path, steps: int, world: int, out: Path, timeout: float) -> dict:
+def run(model: Path, steps: int, world: int, out: Path, timeout: float,
+        prompts: int = 4) -> dict:
     from orbitrl.dist import launch
 
-    argv = launch.orbitrl_argv(*train_args(model, steps), "--out", str(out))
+    argv = launch.orbitrl_argv(*train_args(model, steps, prompts), "--out", str(out))
     if world == 1:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        # the allocator policy the ranks pin (orbitrl.dist.env.return_large_blocks), so
+        # both sides measure live tensors rather than heap fragmentation
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(32 << 10))
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
         if r.returncode:
             raise SystemExit(r.stderr[-3000:])
     else:

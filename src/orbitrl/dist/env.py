@@ -142,7 +142,7 @@ def init_distributed(cfg, env=None) -> Dist:
                 timeout_s=d.timeout_s)
 
 
-def return_large_blocks(threshold: int = 256 << 10) -> bool:
+def return_large_blocks(threshold: int = 32 << 10) -> bool:
     """Serve host allocations of ``threshold`` bytes and more from their own mappings,
     returned to the OS when freed (glibc ``mallopt(M_MMAP_THRESHOLD)``).
 

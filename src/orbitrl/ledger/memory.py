@@ -334,12 +334,13 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     """
     t, r = cfg.train, cfg.rollout
     compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
+    opt = t.optimizer if t.optimizer != "auto" else ("adamw" if t.mode == "adapter" else
+                                                     "adalomo")
     if t.mode == "adapter":
         base = {"fp32": compute, "bf16": "bf16"}.get(cfg.model.base_dtype, cfg.model.base_dtype)
         strat = Strategy("adapter", base_dtype=base, adapter_rank=cfg.lora.rank,
                          dense_dtype=compute)
     else:
-        opt = t.optimizer if t.optimizer != "auto" else "adalomo"
         strat = Strategy("adamw" if opt == "adamw" else "stateless", weight_dtype=compute,
                          grad_dtype=compute, dense_dtype=compute)
     seq_len = prompt_len + r.max_tokens
@@ -360,10 +361,12 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv
     if strat.kind == "stateless":
         # one process, the update fused into backward per parameter (not per gathered
-        # layer): the largest trained tensor's gradient plus one update temporary of its size
+        # layer): the largest trained tensor's gradient plus the update's temporaries of its
+        # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy and then g^2 or
+        # the update u, one at a time)
         terms["train"].pop("actor:layer_grad", None)
         terms["train"]["actor:update_workspace"] = int(
-            2 * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
+            update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in
     # backward): the workspace of the largest projection is live on top of everything else
     proj = largest_projection_params(shape)
@@ -375,7 +378,9 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     if n > 1:
         sharded_runtime_terms(terms, shape, strat, n, PARAM_BYTES[compute],
                               base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",
-                              prefetch_depth=cfg.dist.prefetch_layers)
+                              prefetch_depth=cfg.dist.prefetch_layers,
+                              overlap=device == "cuda",
+                              update_copies=update_copies(opt) if t.mode == "full" else 2)
     if device != "cuda":
         for ph in terms.values():
             ph.update({f"host:{k}": b for k, b in host.items()})
@@ -385,9 +390,15 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     return out
 
 
+def update_copies(optimizer: str) -> int:
+    """Tensors the size of the one being updated, alive at once inside a fused update: its
+    gradient plus one clipped fp32 copy (SGD), plus g^2 or the update u (AdaLomo)."""
+    return 3 if optimizer == "adalomo" else 2
+
+
 def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
-                          dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1
-                          ) -> dict:
+                          dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1,
+                          overlap: bool = False, update_copies: int = 2) -> dict:
     """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
     layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
 
@@ -398,11 +409,19 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
     - ``comm_buffers:gather``: ``prefetch_depth + 1`` decoder layers' sharded parameters
       gathered whole at once (the computing layer and the prefetched one), in every phase
       (generation and scoring gather per layer too, in lockstep).
+    - ``comm_buffers:gather_staging``: the all-gather in flight: FSDP2 copies this rank's
+      shard of the layer into an input buffer (``1/n`` of a layer) and gathers into one
+      flat output buffer (a whole layer) before copying it out into the parameters.
     - ``comm_buffers:root``: the root group (embeddings, head, final norm) gathered whole
       from a phase's first forward to its end.
-    - stateless full mode, ``actor:layer_grad``: a gathered layer's (or the root's) whole
-      gradient plus the reduce-scatter's input copy of it; ``actor:update_workspace``: the
-      fused update's temporaries on this rank's shard of the largest tensor.
+    - ``actor:layer_grad`` (training): a layer's whole gradient plus the reduce-scatter's
+      input copy of it. The reduce-scatter runs after the layer is resharded; on a backend
+      whose collectives run one at a time (gloo on the host, ``overlap`` False) it never
+      coexists with an all-gather in flight, so only what it adds beyond the gather's
+      moment, ``prefetch_depth`` gathered layers plus the two gradient copies, is counted;
+      with ``overlap`` (NCCL streams) all of it is.
+    - stateless full mode, ``actor:update_workspace``: the fused update's temporaries
+      (``update_copies``) on this rank's shard of the largest tensor.
     - AdamW moments and persistent gradients: split over the ranks.
     The KV pool, activations (already of this rank's share of samples) and the host-resident
     int8 reference (replicated) are unchanged.
@@ -423,18 +442,24 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
         weights = math.ceil(shape.total_params * strategy.bytes_per_param() / n)
         per_layer = shape.gathered_layer_params * strategy.bytes_per_param()
     gb = PARAM_BYTES[strategy.grad_dtype]
+    staging = int(per_layer * (1 + 1 / n))
     for ph in terms.values():
         if "actor:weights" in ph:
             ph["actor:weights"] = weights
         if "actor:optimizer" in ph:
             ph["actor:optimizer"] = math.ceil(ph["actor:optimizer"] / n)
         ph["comm_buffers:gather"] = int((prefetch_depth + 1) * per_layer)
+        ph["comm_buffers:gather_staging"] = staging
         ph["comm_buffers:root"] = int(root * dense_bytes)
     train = terms["train"]
     if "actor:grads" in train:
         train["actor:grads"] = math.ceil(train["actor:grads"] / n)
     if strategy.kind == "stateless":
-        train["actor:layer_grad"] = int(2 * max(shape.gathered_layer_params, root) * gb)
+        grads = int(2 * max(shape.gathered_layer_params, root) * gb)
+        if not overlap:  # beyond the all-gather moment (prefetch + 1 layers + staging)
+            grads = max(0, int(prefetch_depth * per_layer) + grads
+                        - train["comm_buffers:gather"] - staging)
+        train["actor:layer_grad"] = grads
         train["actor:update_workspace"] = int(
-            2 * math.ceil(largest_tensor_params(shape) / n) * gb)
+            update_copies * math.ceil(largest_tensor_params(shape) / n) * gb)
     return terms
