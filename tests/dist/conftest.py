@@ -31,6 +31,21 @@ def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+STEPS = 4  # steps of the reference runs
+
+
+@pytest.fixture(scope="session")
+def one_process_runs(tiny_llama, tmp_path_factory) -> dict:
+    """The one-process reference run of each mode (``STEPS`` steps), shared by the tests
+    that compare a multi-process run against it."""
+    out = {}
+    for mode in ("adapter", "full"):
+        run = tmp_path_factory.mktemp(f"one-{mode}")
+        train(train_args(tiny_llama, mode, STEPS), 1, run)
+        out[mode] = run
+    return out
+
+
 def build_tiny_llama(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

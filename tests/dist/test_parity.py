@@ -11,21 +11,8 @@ import sys
 
 import pytest
 
-from conftest import (TIMEOUT_S, final_weights, max_diff, metrics, rank_env, train,
+from conftest import (STEPS, TIMEOUT_S, final_weights, max_diff, metrics, rank_env, train,
                       train_args)
-
-STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def single(tiny_llama, tmp_path_factory):
-    """The one-process reference run of each mode."""
-    out = {}
-    for mode in ("adapter", "full"):
-        run = tmp_path_factory.mktemp(f"one-{mode}")
-        train(train_args(tiny_llama, mode, STEPS), 1, run)
-        out[mode] = run
-    return out
 
 
 def torchrun(args: list[str], nproc: int, run_dir) -> subprocess.CompletedProcess:
@@ -64,7 +51,8 @@ def _remember_model(tiny_llama):
 
 
 @pytest.mark.parametrize("mode", ["adapter", "full"])
-def test_two_ranks_match_one_process(single, tiny_llama, tmp_path, mode):
+def test_two_ranks_match_one_process(one_process_runs, tiny_llama, tmp_path, mode):
+    single = one_process_runs
     run = tmp_path / "two"
     args = train_args(tiny_llama, mode, STEPS)
     if mode == "adapter":  # through torchrun itself

@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import final_weights, max_diff, metrics, train, train_args
+from conftest import STEPS, final_weights, max_diff, metrics, train, train_args
 
-STEPS, HALF = 4, 2
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama, tmp_path_factory):
-    out = {}
-    for mode in ("adapter", "full"):
-        run = tmp_path_factory.mktemp(f"ref-{mode}")
-        train(train_args(tiny_llama, mode, STEPS), 1, run)
-        out[mode] = run
-    return out
+HALF = 2
 
 
 @pytest.mark.parametrize("mode,first,then", [("full", 2, 1), ("adapter", 1, 2),
                                              ("adapter", 2, 1)])
-def test_resume_at_another_world_size(reference, tiny_llama, tmp_path, mode, first, then):
+def test_resume_at_another_world_size(one_process_runs, tiny_llama, tmp_path, mode, first,
+                                      then):
+    reference = one_process_runs
     run = tmp_path / "run"
     train(train_args(tiny_llama, mode, HALF), first, run)
     ckpt = run / "checkpoints" / f"step-{HALF:06d}"
