@@ -3,7 +3,6 @@ with its one-process original on the same data and exits non-zero on a mismatch.
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch

@@ -14,7 +14,6 @@ position) is assembled in ``orbitrl.rl.checkpoint``.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -108,7 +107,3 @@ def empty_target(shape, dtype, like, split: bool) -> torch.Tensor:
         return dim0_shard(local, like, shape)
     dev = like.to_local().device if is_dtensor(like) else like.device
     return torch.zeros(shape, dtype=dtype, device=dev)
-
-
-def numel(shape) -> int:
-    return math.prod(shape) if shape else 1
