@@ -50,3 +50,29 @@ def test_lost_rank_fails_the_others_and_keeps_the_checkpoint(tiny_llama, tmp_pat
     assert (run / "checkpoints" / f"step-{step:06d}" / ".metadata").exists()
     train(train_args(tiny_llama, "full", step + 1), 1, run, resume=True)
     assert (run / "summary.json").exists()
+
+
+def test_sigterm_stops_every_rank_after_the_same_step(tiny_llama, tmp_path):
+    """torchrun forwards SIGTERM to every rank; they agree on the step to stop after,
+    write one sharded checkpoint together and exit 143."""
+    run = tmp_path / "run"
+    procs = launch.start(launch.orbitrl_argv(*train_args(tiny_llama, "full", 500), "--out",
+                                             str(run)), 2, env=rank_env())
+    rows = run / "metrics.jsonl"
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not (rows.exists() and len(rows.read_text().splitlines()) >= 2):
+            assert all(p.poll() is None for p in procs), "a rank exited early"
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        res = launch.wait(procs, 120)
+    finally:
+        for p in procs:
+            launch.kill(p)
+    assert [r.returncode for r in res] == [143, 143], [r.stderr[-1500:] for r in res]
+    steps = len(rows.read_text().splitlines())
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{steps:06d}"
+    assert (run / "checkpoints" / latest / ".metadata").exists()
