@@ -60,6 +60,10 @@ class Dist:
         if not self.enabled:
             return x if isinstance(x, torch.Tensor) else float(x)
         if isinstance(x, torch.Tensor):
+            if x.device != self.comm_device and self.backend == "nccl":  # NCCL: GPU only
+                t = x.to(self.comm_device)
+                torch.distributed.all_reduce(t, op=op)
+                return x.copy_(t)
             torch.distributed.all_reduce(x, op=op)
             return x
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.comm_device)
