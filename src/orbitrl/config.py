@@ -133,6 +133,7 @@ class DistSection:
     timeout_s: float = 300.0  # a collective waiting longer (dead or hung rank) fails the run
     reshard_after_forward: bool = True  # free each gathered layer after its forward
     prefetch_layers: int = 1  # layers all-gathered ahead of the one computing (0 or 1)
+    rollout_weights: Literal["sharded", "gathered"] = "sharded"  # gathered: whole while generating
 
     def __post_init__(self):
         if not self.timeout_s > 0:

@@ -58,3 +58,13 @@ def test_adapter_base_replicated_unless_plain(base, replicated):
         assert two["actor:weights"] > 0.5 * one["actor:weights"] + 1
     else:
         assert abs(two["actor:weights"] - one["actor:weights"] / 2) <= 1
+
+
+def test_gathered_rollout_holds_the_whole_weights():
+    s = from_config(HF)
+    sharded = predict("full", 2, "cpu", "model.base_dtype=fp32")["terms"]["rollout"]
+    whole = predict("full", 2, "cpu", "model.base_dtype=fp32",
+                    "dist.rollout_weights=gathered")["terms"]["rollout"]
+    assert sharded["comm_buffers:gather"] == 2 * s.layer_params * 4
+    assert whole["comm_buffers:gather"] == s.total_params * 4
+    assert whole["actor:weights"] == sharded["actor:weights"]  # the shard stays too

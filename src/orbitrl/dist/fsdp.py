@@ -146,6 +146,33 @@ def lockstep(model: nn.Module, dist: Dist):
 
 
 @contextmanager
+def rollout_weights(model: nn.Module, dist: Dist, mode: str = "sharded",
+                    reshard_after_forward: bool = True):
+    """The weights generation runs on (``dist.rollout_weights``).
+
+    ``sharded``: each forward gathers layer by layer, in :func:`lockstep`; a rank holds its
+    shard plus the layers in flight. ``gathered``: every layer is all-gathered once at the
+    start and kept until the block ends, so decoding issues no collectives and ranks need
+    not keep pace (a rank holds the whole weights for the phase).
+    """
+    if not dist.enabled or not is_sharded(model) or mode == "sharded":
+        with lockstep(model, dist):
+            yield
+        return
+    mods = fsdp_modules(model)
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(reshard_after_forward and m is not model,
+                                        recurse=False)
+
+
+@contextmanager
 def gathered(model: nn.Module):
     """Every parameter whole on every rank for the block (export of a full model)."""
     mods = fsdp_modules(model)

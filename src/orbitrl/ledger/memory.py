@@ -380,7 +380,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
                               base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",
                               prefetch_depth=cfg.dist.prefetch_layers,
                               overlap=device == "cuda",
-                              update_copies=update_copies(opt) if t.mode == "full" else 2)
+                              update_copies=update_copies(opt) if t.mode == "full" else 2,
+                              rollout_gathered=cfg.dist.rollout_weights == "gathered")
     if device != "cuda":
         for ph in terms.values():
             ph.update({f"host:{k}": b for k, b in host.items()})
@@ -398,7 +399,8 @@ def update_copies(optimizer: str) -> int:
 
 def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
                           dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1,
-                          overlap: bool = False, update_copies: int = 2) -> dict:
+                          overlap: bool = False, update_copies: int = 2,
+                          rollout_gathered: bool = False) -> dict:
     """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
     layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
 
@@ -422,6 +424,8 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
       with ``overlap`` (NCCL streams) all of it is.
     - stateless full mode, ``actor:update_workspace``: the fused update's temporaries
       (``update_copies``) on this rank's shard of the largest tensor.
+    - ``rollout_gathered`` (``dist.rollout_weights: gathered``): generation holds every
+      sharded parameter whole, gathered one layer at a time at the phase's start.
     - AdamW moments and persistent gradients: split over the ranks.
     The KV pool, activations (already of this rank's share of samples) and the host-resident
     int8 reference (replicated) are unchanged.
@@ -434,12 +438,15 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
         dense = (shape.total_params - proj) * dense_bytes
         per_layer = (a / shape.num_layers) * dense_bytes + 2 * shape.hidden * dense_bytes
         if base_sharded:
-            weights = math.ceil((proj_b + dense + 2 * a) / n)
+            whole = proj_b + dense + 2 * a
+            weights = math.ceil(whole / n)
             per_layer += (shape.layer_params - 2 * shape.hidden) * dense_bytes
         else:
-            weights = int(proj_b) + math.ceil((dense + 2 * a) / n)
+            whole = dense + 2 * a
+            weights = int(proj_b) + math.ceil(whole / n)
     else:
-        weights = math.ceil(shape.total_params * strategy.bytes_per_param() / n)
+        whole = shape.total_params * strategy.bytes_per_param()
+        weights = math.ceil(whole / n)
         per_layer = shape.gathered_layer_params * strategy.bytes_per_param()
     gb = PARAM_BYTES[strategy.grad_dtype]
     staging = int(per_layer * (1 + 1 / n))
@@ -451,6 +458,9 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
         ph["comm_buffers:gather"] = int((prefetch_depth + 1) * per_layer)
         ph["comm_buffers:gather_staging"] = staging
         ph["comm_buffers:root"] = int(root * dense_bytes)
+    if rollout_gathered:
+        terms["rollout"]["comm_buffers:gather"] = int(whole)  # root included
+        terms["rollout"]["comm_buffers:root"] = 0
     train = terms["train"]
     if "actor:grads" in train:
         train["actor:grads"] = math.ceil(train["actor:grads"] / n)

@@ -15,7 +15,7 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.dist.env import Dist
-from orbitrl.dist.fsdp import idle_backward, lockstep, sum_grads
+from orbitrl.dist.fsdp import idle_backward, lockstep, rollout_weights, sum_grads
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import device_peak_bytes
@@ -149,6 +149,11 @@ class RLTrainer:
         self.share_start = a
         return rows[a:b]
 
+    def _rollout_weights(self):
+        """Generation over sharded weights (ranks in lockstep) or gathered ones."""
+        d = self.cfg.dist
+        return rollout_weights(self.model, self.dist, d.rollout_weights, d.reshard_after_forward)
+
     def encode(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
             return self.tok.apply_chat_template([{"role": "user", "content": text}],
@@ -165,7 +170,7 @@ class RLTrainer:
         rows = rows[a:b]
         prompts = [self.encode(r[d.prompt_field]) for r in rows]
         params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0)
-        with lockstep(self.model, self.dist):
+        with self._rollout_weights():
             samples = rollout(self.engine, prompts, rows, params, self.step_idx, 0, first=a)
         runner = self.rewards if reward is None else RewardRunner(
             [RewardSource(get_reward(reward), name=reward)], timeout_s=self.cfg.reward.timeout_s)
@@ -180,7 +185,7 @@ class RLTrainer:
         timer = self.mem.timer()  # a PhaseTimer that also measures each phase's peak
         rows = self.next_prompts()
         d = cfg.data
-        with timer.phase("rollout"), lockstep(self.model, self.dist):
+        with timer.phase("rollout"), self._rollout_weights():
             self.model.eval()
             params = SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
                                     top_p=r.top_p, top_k=r.top_k)
