@@ -98,6 +98,21 @@ def check_global_batch(d: Dist):
     assert mine.shape == want.shape and float((mine - want).abs().max()) < 1e-6
 
 
+def check_empty_rank(d: Dist):
+    """A rank left with no rows joins the whitening of the others' rows."""
+    from orbitrl.dist.batch import join_empty, on_global_batch
+    from orbitrl.rl.advantages import whiten
+
+    g = torch.Generator().manual_seed(4)
+    x, m = torch.randn(3, 5, generator=g), torch.ones(3, 5)
+    if d.rank == 0:
+        out = on_global_batch(d, lambda r_, x_, m_, k_: whiten(x_, m_), torch.zeros(3), x, m,
+                              None)
+        assert float((out - whiten(x, m)).abs().max()) < 1e-6
+    else:
+        join_empty(d, 4, "cpu")
+
+
 def check_metrics(d: Dist):
     from orbitrl.dist.metrics import reduce_row
 

@@ -41,11 +41,12 @@ def on_global_batch(dist: Dist, fn, *tensors):
     start = sum(rows[:dist.rank])
     full = []
     for i, t in enumerate(tensors):
+        pieces = [p[i] for p in parts if p[i] is not None]  # a rank with no rows may differ
         if t is None:
             full.append(None)
             continue
-        width = max(p[i].shape[1] for p in parts) if t.dim() >= 2 else 0
-        full.append(torch.cat([_pad_to(p[i], width) for p in parts]).to(dev))
+        width = max(x.shape[1] for x in pieces) if t.dim() >= 2 else 0
+        full.append(torch.cat([_pad_to(x, width) for x in pieces]).to(dev))
     out = fn(*full)
     width = next((t.shape[1] for t in tensors if t is not None and t.dim() >= 2), None)
 
@@ -54,3 +55,11 @@ def on_global_batch(dist: Dist, fn, *tensors):
         return x[:, :width] if x.dim() >= 2 and width is not None else x
 
     return tuple(mine(x) for x in out) if isinstance(out, tuple) else mine(out)
+
+
+def join_empty(dist: Dist, n_tensors: int, device) -> None:
+    """This rank's part of an :func:`on_global_batch` call when it has no rows (every group
+    it drew was dropped): it contributes none and keeps none, so the others' gather
+    completes. ``n_tensors``: the tensors the others pass (rewards, [values,] mask, KL)."""
+    z = [torch.zeros(0, device=device)] + [torch.zeros(0, 1, device=device)] * (n_tensors - 1)
+    on_global_batch(dist, lambda *t: t[0], *z)

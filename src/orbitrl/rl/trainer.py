@@ -222,7 +222,7 @@ class RLTrainer:
 
             keep = dynamic_sampling_mask(rewards, r.n)
             row["dropped_groups"] = int((~keep).sum()) // r.n
-        with timer.phase("score"), lockstep(self.model, self.dist):
+        with timer.phase("score"):
             ctx = self._score(samples, rewards, keep)
         if self.dist.any(ctx is not None) and ctx is None:  # others train: join them
             ctx = self._empty_ctx()
@@ -259,6 +259,13 @@ class RLTrainer:
         T = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         idx = [i for i in range(len(samples)) if keep[i]]
         if not idx:
+            if self.dist.enabled:  # nothing kept here: join the others' collectives
+                with lockstep(self.model, self.dist):
+                    pass
+                if self.critic is not None or algo.name == "reinforce++" or algo.kl_in_reward:
+                    from orbitrl.dist.batch import join_empty
+
+                    join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
             return None
         kept = [samples[i] for i in idx]
         full = pack(kept, self.device)
@@ -269,7 +276,7 @@ class RLTrainer:
         mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or algo.kl_in_reward
-        with torch.no_grad():
+        with torch.no_grad(), lockstep(self.model, self.dist):  # ranks' forwards in step
             parts = [pack([kept[j] for j in g], self.device) for g in mbs]
             if self.critic is not None:
                 scored = [score(self.model, p, T, return_hidden=True) for p in parts]
