@@ -7,9 +7,11 @@ from conftest import final_weights, max_diff, metrics, train, train_args
 
 
 def test_uneven_prompt_split_matches_one_process(tiny_llama, tmp_path):
-    """3 prompts on 2 ranks (2 + 1): the rank with less work joins the others' gathers
-    with idle forwards, and the result is the one-process one."""
-    args = train_args(tiny_llama, "full", 3, "rollout.prompts_per_step=3")
+    """3 prompts on 2 ranks (2 + 1), generating on gathered whole weights: the rank with
+    less work joins the others' scoring and training collectives, and the result is the
+    one-process one."""
+    args = train_args(tiny_llama, "full", 2, "rollout.prompts_per_step=3",
+                      "dist.rollout_weights=gathered")
     train(args, 1, tmp_path / "one")
     train(args, 2, tmp_path / "two")
     d = max_diff(final_weights(tmp_path / "one", "full"), final_weights(tmp_path / "two",
