@@ -57,3 +57,32 @@ def hf_dirs(tmp_path_factory):
         m.save_pretrained(d)
         out[fam] = (d, m)
     return out
+
+
+# Tests that run the engine, a producer thread, reward workers or the sandbox get a hard time
+# limit: a deadlock fails the test instead of stalling the suite. Generous: the machine is
+# shared and noisy.
+HARD_LIMIT_S = {"rl": 600, "rewards": 300}
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout(request):
+    import signal
+    from pathlib import Path
+
+    part = Path(str(request.node.fspath)).parent.name
+    limit = HARD_LIMIT_S.get(part)
+    if limit is None:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"test exceeded the hard limit of {limit} s (deadlock?)")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

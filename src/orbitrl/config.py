@@ -180,6 +180,22 @@ class CheckpointSection:
 
 
 @dataclass
+class DistSection:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
+    timeout_s: float = 300.0  # a collective waiting longer (dead or hung rank) fails the run
+    reshard_after_forward: bool = True  # free each gathered layer after its forward
+    prefetch_layers: int = 1  # layers all-gathered ahead of the one computing (0 or 1)
+    rollout_weights: Literal["sharded", "gathered"] = "sharded"  # gathered: whole while generating
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise OrbitError(f"config key 'dist.timeout_s' must be > 0, got {self.timeout_s}")
+        if self.prefetch_layers not in (0, 1):
+            raise OrbitError(f"config key 'dist.prefetch_layers' must be 0 or 1, got "
+                             f"{self.prefetch_layers}")
+
+
+@dataclass
 class LogSection:
     every: int = 1
     tensorboard: bool = False
@@ -197,6 +213,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     reward: RewardSection = field(default_factory=RewardSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    dist: DistSection = field(default_factory=DistSection)
     log: LogSection = field(default_factory=LogSection)
 
     def to_dict(self) -> dict:

@@ -31,11 +31,43 @@ def run(args) -> int:
         cfg = config_from_args(args)
     import torch
 
+    from orbitrl.dist.env import init_distributed, shutdown
     from orbitrl.rl.run import print_summary, run_training
 
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
-    out = Path(args.resume or args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    summary = run_training(cfg, out, resume=bool(args.resume))
-    print_summary(summary, out)
+    dist = init_distributed(cfg)  # one process unless launched by torchrun
+    # every rank writes into rank 0's run directory (a timestamp could differ per rank)
+    out = Path(dist.broadcast_object(
+        args.resume or args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
+    try:
+        summary = run_training(cfg, out, resume=bool(args.resume), dist=dist)
+    except (OrbitError, SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if not dist.enabled or not _is_comm_error(e):
+            raise
+        # a peer died or hung: its collective failed here; nothing is saved now (that would
+        # need the lost rank), the last complete checkpoint stays the resume point
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.rsplit("] ", 1)[-1][:200]  # gloo prefixes its source location
+        raise OrbitError(f"rank {dist.rank}/{dist.world}: lost another rank mid-step (it "
+                         f"exited, or a collective waited past dist.timeout_s="
+                         f"{dist.timeout_s:g}s): {first}; resume from the last checkpoint "
+                         f"with: orbitrl train --resume {out}") from None
+    if dist.is_main:
+        print_summary(summary, out)
+    shutdown(dist)
     return 0
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """Errors a failed collective raises (gloo/NCCL, timeouts, a closed connection)."""
+    import torch.distributed as td
+
+    names = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+    if isinstance(e, tuple(getattr(td, n) for n in names if hasattr(td, n))):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in msg for w in (
+        "gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket"))

@@ -19,6 +19,7 @@ another group (orbitrl's own quantizer defaults to ``formats.INT4_GROUP``) passe
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from orbitrl.ledger.formats import PLANNER_INT4_GROUP, PLANNER_PARAM_BYTES, bytes_per_param
@@ -320,7 +321,7 @@ def predict_peak(model, strategy: Strategy | str, workload: Workload | None = No
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
                        kv_dtype: str | None = None, device: str = "cpu",
-                       recompute: bool = False) -> dict:
+                       recompute: bool = False, devices: int = 1) -> dict:
     """:func:`predict_peak` for one orbitrl run (``orbitrl.config.Config``) on one device.
 
     Maps the run to the ledger's inputs: strategy from ``train.mode`` / ``train.optimizer``
@@ -328,20 +329,23 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     the workload from ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the
     longest prompt of the task, in tokens), the KV pool as the engine allocated it. On a CPU
     device the host tier is the same memory, so host terms (the full-parameter mode's int8
-    reference) are added to every phase.
+    reference) are added to every phase. ``devices > 1``: one rank of a torchrun run, see
+    :func:`sharded_runtime_terms`.
     """
     t, r = cfg.train, cfg.rollout
     compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
+    opt = t.optimizer if t.optimizer != "auto" else ("adamw" if t.mode == "adapter" else
+                                                     "adalomo")
     if t.mode == "adapter":
         base = {"fp32": compute, "bf16": "bf16"}.get(cfg.model.base_dtype, cfg.model.base_dtype)
         strat = Strategy("adapter", base_dtype=base, adapter_rank=cfg.lora.rank,
                          dense_dtype=compute)
     else:
-        opt = t.optimizer if t.optimizer != "auto" else "adalomo"
         strat = Strategy("adamw" if opt == "adamw" else "stateless", weight_dtype=compute,
                          grad_dtype=compute, dense_dtype=compute)
     seq_len = prompt_len + r.max_tokens
-    samples = r.n * r.prompts_per_step
+    n = max(1, int(devices))
+    samples = math.ceil(r.n * r.prompts_per_step / n)  # this rank's share of the step
     work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
                     micro_batch=max(1, min(samples, t.micro_batch_tokens // seq_len)),
                     samples_per_step=samples, block_size=r.block_size,
@@ -357,10 +361,12 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv
     if strat.kind == "stateless":
         # one process, the update fused into backward per parameter (not per gathered
-        # layer): the largest trained tensor's gradient plus one update temporary of its size
+        # layer): the largest trained tensor's gradient plus the update's temporaries of its
+        # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy and then g^2 or
+        # the update u, one at a time)
         terms["train"].pop("actor:layer_grad", None)
         terms["train"]["actor:update_workspace"] = int(
-            2 * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
+            update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in
     # backward): the workspace of the largest projection is live on top of everything else
     proj = largest_projection_params(shape)
@@ -369,6 +375,13 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
             ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
     elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
         terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
+    if n > 1:
+        sharded_runtime_terms(terms, shape, strat, n, PARAM_BYTES[compute],
+                              base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",
+                              prefetch_depth=cfg.dist.prefetch_layers,
+                              overlap=device == "cuda",
+                              update_copies=update_copies(opt) if t.mode == "full" else 2,
+                              rollout_gathered=cfg.dist.rollout_weights == "gathered")
     if device != "cuda":
         for ph in terms.values():
             ph.update({f"host:{k}": b for k, b in host.items()})
@@ -379,7 +392,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
 
 
 def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
-                    available: int, resident: int, device: str = "cpu") -> dict:
+                    available: int, resident: int, device: str = "cpu",
+                    devices: int = 1) -> dict:
     """Size the engine's KV pool from the memory training leaves (``rollout.kv_budget_mb: 0``).
 
     ``available``: bytes free now; ``resident``: bytes of the run already loaded (weights,
@@ -394,7 +408,8 @@ def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
 
     r = cfg.rollout
     pred = runtime_prediction(cfg, hf_config, prompt_len, kv_blocks=0,
-                              kv_dtype="fp8" if r.kv_dtype == "fp8" else None, device=device)
+                              kv_dtype="fp8" if r.kv_dtype == "fp8" else None, device=device,
+                              devices=devices)
     need = pred["peak"]
     left = available + resident - int(r.min_available_mb * 2**20) - need
     per_seq = blocks_for_tokens(prompt_len + r.max_tokens, r.block_size)
@@ -410,3 +425,87 @@ def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
             "rollout.n or rollout.max_tokens)")
     return {"blocks": int(blocks), "cap": int(cap), "floor": int(floor), "train_need": int(need),
             "left": int(left)}
+
+
+def update_copies(optimizer: str) -> int:
+    """Tensors the size of the one being updated, alive at once inside a fused update: its
+    gradient plus one clipped fp32 copy (SGD), plus g^2 or the update u (AdaLomo)."""
+    return 3 if optimizer == "adalomo" else 2
+
+
+def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
+                          dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1,
+                          overlap: bool = False, update_copies: int = 2,
+                          rollout_gathered: bool = False) -> dict:
+    """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
+    layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
+
+    - ``actor:weights``: every *parameter* is split over the ranks: the whole model in full
+      mode; in adapter mode the adapters, embeddings and norms, and the frozen projections
+      only when they are plain parameters (``base_sharded``: an fp32 base); a bf16 or
+      quantized base lives in buffers and stays whole on every rank.
+    - ``comm_buffers:gather``: ``prefetch_depth + 1`` decoder layers' sharded parameters
+      gathered whole at once (the computing layer and the prefetched one), in every phase
+      (generation and scoring gather per layer too, in lockstep).
+    - ``comm_buffers:gather_staging``: the all-gather in flight: FSDP2 copies this rank's
+      shard of the layer into an input buffer (``1/n`` of a layer) and gathers into one
+      flat output buffer (a whole layer) before copying it out into the parameters.
+    - ``comm_buffers:root``: the root group (embeddings, head, final norm) gathered whole
+      from a phase's first forward to its end.
+    - ``actor:layer_grad`` (training): a layer's whole gradient plus the reduce-scatter's
+      input copy of it. The reduce-scatter runs after the layer is resharded; on a backend
+      whose collectives run one at a time (gloo on the host, ``overlap`` False) it never
+      coexists with an all-gather in flight, so only what it adds beyond the gather's
+      moment, ``prefetch_depth`` gathered layers plus the two gradient copies, is counted;
+      with ``overlap`` (NCCL streams) all of it is.
+    - stateless full mode, ``actor:update_workspace``: the fused update's temporaries
+      (``update_copies``) on this rank's shard of the largest tensor.
+    - ``rollout_gathered`` (``dist.rollout_weights: gathered``): generation holds every
+      sharded parameter whole, gathered one layer at a time at the phase's start.
+    - AdamW moments and persistent gradients: split over the ranks.
+    The KV pool, activations (already of this rank's share of samples) and the host-resident
+    int8 reference (replicated) are unchanged.
+    """
+    root = shape.embed_params + shape.hidden
+    if strategy.kind == "adapter":
+        a = shape.adapter_params(strategy.adapter_rank)
+        proj = projection_params(shape)
+        proj_b = proj * strategy.bytes_per_param()
+        dense = (shape.total_params - proj) * dense_bytes
+        per_layer = (a / shape.num_layers) * dense_bytes + 2 * shape.hidden * dense_bytes
+        if base_sharded:
+            whole = proj_b + dense + 2 * a
+            weights = math.ceil(whole / n)
+            per_layer += (shape.layer_params - 2 * shape.hidden) * dense_bytes
+        else:
+            whole = dense + 2 * a
+            weights = int(proj_b) + math.ceil(whole / n)
+    else:
+        whole = shape.total_params * strategy.bytes_per_param()
+        weights = math.ceil(whole / n)
+        per_layer = shape.gathered_layer_params * strategy.bytes_per_param()
+    gb = PARAM_BYTES[strategy.grad_dtype]
+    staging = int(per_layer * (1 + 1 / n))
+    for ph in terms.values():
+        if "actor:weights" in ph:
+            ph["actor:weights"] = weights
+        if "actor:optimizer" in ph:
+            ph["actor:optimizer"] = math.ceil(ph["actor:optimizer"] / n)
+        ph["comm_buffers:gather"] = int((prefetch_depth + 1) * per_layer)
+        ph["comm_buffers:gather_staging"] = staging
+        ph["comm_buffers:root"] = int(root * dense_bytes)
+    if rollout_gathered:
+        terms["rollout"]["comm_buffers:gather"] = int(whole)  # root included
+        terms["rollout"]["comm_buffers:root"] = 0
+    train = terms["train"]
+    if "actor:grads" in train:
+        train["actor:grads"] = math.ceil(train["actor:grads"] / n)
+    if strategy.kind == "stateless":
+        grads = int(2 * max(shape.gathered_layer_params, root) * gb)
+        if not overlap:  # beyond the all-gather moment (prefetch + 1 layers + staging)
+            grads = max(0, int(prefetch_depth * per_layer) + grads
+                        - train["comm_buffers:gather"] - staging)
+        train["actor:layer_grad"] = grads
+        train["actor:update_workspace"] = int(
+            update_copies * math.ceil(largest_tensor_params(shape) / n) * gb)
+    return terms

@@ -217,10 +217,14 @@ def _tensors(obj):
 def _storages(t: torch.Tensor):
     """(data_ptr, nbytes, storage) of the plain storages behind ``t`` (subclasses unpacked)."""
     inner = t.data if isinstance(t, torch.nn.Parameter) else t
+    if hasattr(inner, "to_local") and hasattr(inner, "device_mesh"):  # a DTensor: its shard
+        yield from _storages(inner.to_local())
+        return
     if type(inner) is not torch.Tensor and hasattr(inner, "__tensor_flatten__"):
         names, _ = inner.__tensor_flatten__()
         for n in names:
-            yield from _storages(getattr(inner, n))
+            if isinstance(getattr(inner, n), torch.Tensor):
+                yield from _storages(getattr(inner, n))
         return
     if inner.device.type == "meta":
         return
@@ -261,14 +265,16 @@ class ProbedPhaseTimer(PhaseTimer):
             yield
 
 
-def run_prediction(cfg, model, engine, prompt_len: int) -> dict:
+def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1) -> dict:
     """The ledger's prediction for this run (see ``ledger.memory.runtime_prediction``):
     the model's config.json, the KV pool as the engine allocated it, ``prompt_len`` the
-    longest prompt of the task in tokens."""
+    longest prompt of the task in tokens, ``devices`` the ranks the weights are sharded
+    over (the prediction is per rank)."""
     from orbitrl.ledger.memory import runtime_prediction
 
     return runtime_prediction(cfg, model.config.hf, prompt_len,
                               kv_blocks=engine.pool.num_blocks,
                               kv_dtype="fp8" if cfg.rollout.kv_dtype == "fp8" else None,
                               device=torch.device(model.device).type,
-                              recompute=bool(getattr(model, "recompute", False)))
+                              recompute=bool(getattr(model, "recompute", False)),
+                              devices=devices)

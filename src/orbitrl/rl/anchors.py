@@ -101,12 +101,21 @@ def _requantize(reference: Decoder, policy: Decoder):
     rparams = dict(reference.named_parameters())
     for name, p in policy.named_parameters():
         if name in rparams:
-            rparams[name].copy_(p.detach().to(rparams[name].device, rparams[name].dtype))
+            rparams[name].copy_(_whole(p).to(rparams[name].device, rparams[name].dtype))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter: a collective every rank joins
+    (ranks refresh their replicated reference together, on the same reduced KL)."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _cpu_linear(lin):
     out = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
-    out.weight.data = lin.weight.detach().to("cpu", torch.float32).clone()
+    out.weight.data = _whole(lin.weight).to("cpu", torch.float32).clone()
     if lin.bias is not None:
-        out.bias.data = lin.bias.detach().to("cpu", torch.float32).clone()
+        out.bias.data = _whole(lin.bias).to("cpu", torch.float32).clone()
     return out.requires_grad_(False)

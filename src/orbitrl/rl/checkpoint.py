@@ -8,6 +8,15 @@ file, replaced atomically) then points at it: a crash mid-write leaves the previ
 checkpoint and pointer intact. The state is copied to host memory on the training thread
 (the cost of the bytes) and written to disk on a background thread. Old checkpoints are
 rotated, keeping ``keep``.
+
+Under torchrun (``tr.dist.enabled``) a checkpoint is a ``torch.distributed.checkpoint``
+directory instead: every rank writes its shards of the trainable tensors, the optimizer
+state and the adapter anchor in parallel, rank 0 adds ``meta.pt`` (everything that is not a
+sharded tensor), then renames the directory and moves ``latest`` as above. Such a write is
+synchronous (a collective). :func:`resume_from` reads either format at any world size:
+a sharded checkpoint into one process or into a different number of ranks (DCP reads the
+slices each rank needs), and a one-process ``state.pt`` into several ranks (each keeps its
+rows). Random-number states are rank 0's.
 """
 
 from __future__ import annotations
@@ -100,8 +109,9 @@ def restore(tr, state: dict):
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep: int = 2):
+    def __init__(self, root: Path, keep: int = 2, dist=None):
         self.root = Path(root)
+        self.dist = dist
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, keep)
         self._thread: threading.Thread | None = None
@@ -111,6 +121,9 @@ class Checkpointer:
     def save(self, tr, extra: dict, block: bool = False):
         """Snapshot now (host copy), write in the background; ``block`` waits for it."""
         self.wait()
+        if self.dist is not None and self.dist.enabled:
+            self._save_sharded(tr, extra)
+            return
         state = capture(tr, extra)
         step = state["iteration"]
         self._thread = threading.Thread(target=self._write, args=(state, step), daemon=False)
@@ -145,6 +158,34 @@ class Checkpointer:
         except BaseException as e:  # surfaced on the training thread at the next wait()
             self.error = e
 
+    def _save_sharded(self, tr, extra: dict):
+        """All ranks write their shards at once, then rank 0 publishes the directory."""
+        from orbitrl.dist import checkpoint as dcp
+        from orbitrl.rl.checkpoint_sharded import capture_sharded
+
+        d = self.dist
+        step = tr.iteration
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f"step-{step:06d}.tmp"
+        if d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        d.barrier()
+        tensors, meta = capture_sharded(tr, extra)
+        dcp.save(tensors, tmp)
+        if d.is_main:
+            with open(tmp / "meta.pt", "wb") as f:
+                torch.save(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _atomic_text(self.root / "latest", final.name)
+            self.written.append(step)
+            self._rotate()
+        d.barrier()
+
     def _rotate(self):
         steps = sorted(p for p in self.root.glob("step-*") if p.is_dir()
                        and not p.name.endswith(".tmp"))
@@ -156,7 +197,7 @@ class Checkpointer:
         if not ptr.exists():
             return None
         p = self.root / ptr.read_text().strip()
-        return p if (p / "state.pt").exists() else None
+        return p if (p / "state.pt").exists() or (p / "meta.pt").exists() else None
 
     @staticmethod
     def load(path: Path) -> dict:
@@ -173,3 +214,21 @@ def _atomic_text(path: Path, text: str):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def resume_from(tr, path: Path) -> dict:
+    """Restore ``tr`` from a checkpoint directory of either format; returns its state
+    (``state["extra"]`` as saved)."""
+    path = Path(path)
+    if (path / "state.pt").exists():
+        state = Checkpointer.load(path)
+        if tr.dist.enabled:
+            from orbitrl.rl.checkpoint_sharded import restore_whole_into_shards
+
+            restore_whole_into_shards(tr, state)
+        else:
+            restore(tr, state)
+        return state
+    from orbitrl.rl.checkpoint_sharded import restore_sharded
+
+    return restore_sharded(tr, path)

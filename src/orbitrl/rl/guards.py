@@ -60,16 +60,29 @@ class GradNormGuard:
         self.__dict__.update(sd)
 
 
-def layer_grad_norms(named_params) -> dict[str, float]:
-    """Gradient norm per decoder layer (``model.layers.N``) and for the rest."""
+def layer_grad_norms(named_params, reduce=None) -> dict[str, float]:
+    """Gradient norm per decoder layer (``model.layers.N``) and for the rest.
+
+    ``reduce``: an in-place sum over ranks, when the gradients are sharded (each rank then
+    sums the squares of its shards and the per-layer sums are reduced in one call)."""
     acc: dict[str, float] = {}
     for name, p in named_params:
         if p.grad is None:
             continue
         parts = name.split(".")
         key = ".".join(parts[:3]) if name.startswith("model.layers.") else parts[0]
-        acc[key] = acc.get(key, 0.0) + float(p.grad.detach().float().pow(2).sum())
+        acc[key] = acc.get(key, 0.0) + float(_local(p.grad).detach().float().pow(2).sum())
+    if reduce is not None and acc:
+        keys = sorted(acc)
+        vec = reduce(torch.tensor([acc[k] for k in keys], dtype=torch.float64))
+        acc = dict(zip(keys, vec.tolist()))
     return {k: math.sqrt(v) for k, v in acc.items()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Snapshot:
@@ -84,11 +97,17 @@ class Snapshot:
             s.copy_(p.detach())
 
     @torch.no_grad()
-    def update_size(self) -> dict:
-        """Norm of the change since the last save, absolute and relative to the weights."""
-        d = math.sqrt(sum(float((p.detach() - s).float().pow(2).sum())
-                          for s, p in zip(self.saved, self.params)))
-        w = math.sqrt(sum(float(s.float().pow(2).sum()) for s in self.saved))
+    def update_size(self, reduce=None) -> dict:
+        """Norm of the change since the last save, absolute and relative to the weights
+        (``reduce``: an in-place sum over ranks when the tensors are shards)."""
+        sq = torch.tensor([
+            sum(float((_local(p).detach() - _local(s)).float().pow(2).sum())
+                for s, p in zip(self.saved, self.params)),
+            sum(float(_local(s).float().pow(2).sum()) for s in self.saved)],
+            dtype=torch.float64)
+        if reduce is not None:
+            sq = reduce(sq)
+        d, w = math.sqrt(sq[0]), math.sqrt(sq[1])
         return {"update_norm": d, "update_rel": d / max(w, 1e-12)}
 
     @torch.no_grad()

@@ -36,23 +36,35 @@ def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
     return train, held
 
 
-def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -> dict:
-    """Train (or continue a run from its latest checkpoint) and write the summary."""
+def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
+                 dist=None) -> dict:
+    """Train (or continue a run from its latest checkpoint) and write the summary.
+
+    ``dist``: this process's :class:`orbitrl.dist.env.Dist` under torchrun (every rank
+    runs this function; rank 0 alone writes metrics, summary and the final policy)."""
     from tqdm import tqdm
 
+    from orbitrl.dist.env import Dist
+    from orbitrl.dist.metrics import reduce_row
     from orbitrl.rewards import get_reward
-    from orbitrl.rl.checkpoint import Checkpointer, restore
+    from orbitrl.rl.checkpoint import Checkpointer, resume_from
     from orbitrl.rl.trainer import RLTrainer
+
+    dist = dist or Dist()
+    main = dist.is_main
+    if not main:
+        echo = _quiet
 
     for name in [cfg.reward.name, *cfg.reward.extra]:  # fail on a bad name before loading
         if not str(name).startswith("rm:"):
             get_reward(name)
     train_rows, held = load_data(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep)
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=dist)
     t_start = time.perf_counter()
-    trainer = RLTrainer(cfg, train_rows, held)
+    trainer = RLTrainer(cfg, train_rows, held, dist=dist)
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
@@ -61,8 +73,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
     lenient = "arithmetic" if not cfg.data.train and cfg.reward.name == "exact_match" else None
     latest = ckpt.latest() if resume else None
     if latest is not None:
-        state = Checkpointer.load(latest)
-        restore(trainer, state)
+        state = resume_from(trainer, latest)  # either format, at any world size
         acc0 = state["extra"]["heldout_accuracy_before"]
         num0 = state["extra"].get("heldout_number_accuracy_before")
         prior_wall = state["extra"].get("wall_seconds", 0.0)
@@ -75,14 +86,16 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
 
     # each step appears once: drop rows logged after the checkpoint we continue from
     kept = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] < trainer.iteration]
-    _rewrite_metrics(run_dir / "metrics.jsonl", kept)
+    if main:
+        _rewrite_metrics(run_dir / "metrics.jsonl", kept)
     rewards = [r["reward_mean"] for r in kept]
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
-    external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict())
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if main else _NoWriter()
+    external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict()) \
+        if main else _NoWriter()
     stop = _StopSignals()
     budget, t_loop = cfg.train.max_seconds, time.perf_counter()
     bar = tqdm(total=cfg.train.max_steps, initial=trainer.iteration, desc="train", unit="step",
-               file=sys.stderr, disable=not cfg.log.progress, dynamic_ncols=True)
+               file=sys.stderr, disable=not (cfg.log.progress and main), dynamic_ncols=True)
     stopped = "max_steps"
 
     def extra():
@@ -91,13 +104,14 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
 
     try:
         while trainer.iteration < cfg.train.max_steps:
-            if budget and time.perf_counter() - t_loop > budget:
+            # ranks stop together (each later step is a collective): decisions are reduced
+            if budget and dist.any(time.perf_counter() - t_loop > budget):
                 stopped = "max_seconds"
                 break
-            if stop.signal is not None:
-                stopped = stop.signal
+            if dist.any(stop.signal is not None):
+                stopped = stop.signal or "SIGTERM"
                 break
-            row = trainer.step()
+            row = reduce_row(trainer.step(), dist)
             row["wall_s"] = prior_wall + time.perf_counter() - t_start
             writer.write(row)
             external.write(row)
@@ -139,8 +153,30 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False) -
         **trainer.mem.summary(),
         **extra_acc,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if dist.enabled:
+        summary["world_size"] = dist.world
+        peaks = dist.gather_objects(trainer.mem.summary())
+        summary["measured_peak_bytes_by_rank"] = [p["measured_peak_bytes"] for p in peaks]
+        for ph in ("rollout", "score", "train"):
+            summary[f"measured_{ph}_bytes_by_rank"] = [p.get(f"measured_{ph}_bytes")
+                                                      for p in peaks]
+    if main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _quiet(*_args, **_kw):
+    pass
+
+
+class _NoWriter:
+    """Ranks other than 0 log nothing (rank 0 writes the reduced row)."""
+
+    def write(self, row):
+        pass
+
+    def close(self):
+        pass
 
 
 class _StopSignals:
@@ -169,7 +205,21 @@ def _rewrite_metrics(path: Path, rows: list[dict]):
 
 
 def save_policy(trainer, out: Path):
-    """Adapters in PEFT's format (adapter mode) or the whole model as an HF directory."""
+    """Adapters in PEFT's format (adapter mode) or the whole model as an HF directory.
+    Sharded: every rank joins the gather of the whole weights, rank 0 writes them."""
+    dist = getattr(trainer, "dist", None)
+    if dist is not None and dist.enabled:
+        from orbitrl.dist.fsdp import gathered
+
+        with gathered(trainer.model):
+            if dist.is_main:
+                _save_policy(trainer, out)
+        dist.barrier()
+        return
+    _save_policy(trainer, out)
+
+
+def _save_policy(trainer, out: Path):
     if trainer.cfg.train.mode == "adapter":
         from orbitrl.model.adapters import save_adapters
 

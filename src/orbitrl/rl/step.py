@@ -17,12 +17,15 @@ from orbitrl.rl.types import Sample
 
 
 def rollout(engine, prompts: list[list[int]], rows: list[dict], params: SamplingParams,
-            version: int, seed: int, deadline_s: float | None = None) -> list[Sample]:
+            version: int, seed: int, deadline_s: float | None = None,
+            first: int = 0) -> list[Sample]:
     """n samples per prompt from the engine, groups adjacent, in prompt order. Past the
     watchdog deadline the engine drops unfinished samples; a group left with fewer than n
-    samples is dropped whole (group statistics need all n)."""
+    samples is dropped whole (group statistics need all n). ``first``: the global index of
+    ``prompts[0]`` in the step's batch (a rank's share starts there), so a prompt's sampling
+    seed is the same whichever rank draws it."""
     reqs = [Request(prompt_ids=p, params=SamplingParams(**{**params.__dict__,
-                                                            "seed": seed * 100003 + i}))
+                                                            "seed": seed * 100003 + first + i}))
             for i, p in enumerate(prompts)]
     outs = engine.generate(reqs, deadline_s=deadline_s)
     samples = []
@@ -32,7 +35,7 @@ def rollout(engine, prompts: list[list[int]], rows: list[dict], params: Sampling
         if len(out.samples) < params.n:
             continue
         for c in out.samples:
-            samples.append(Sample(g, p, c.token_ids, c.logprobs, c.finish_reason,
+            samples.append(Sample(first + g, p, c.token_ids, c.logprobs, c.finish_reason,
                                   c.text or "", row, version))
     return samples
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from orbitrl.config import Config
+from orbitrl.dist.env import Dist
+from orbitrl.dist.fsdp import idle_backward, lockstep, rollout_weights, sum_grads
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.engine.governor import KVGovernor, available_memory, hand_back
 from orbitrl.errors import OrbitError
@@ -59,8 +61,10 @@ def seed_everything(seed: int, deterministic: bool = False):
 class RLTrainer:
     """Holds the run's state (policy, engine, optimizer, anchors, guards, data position)."""
 
-    def __init__(self, cfg: Config, train_rows: list[dict], heldout_rows: list[dict]):
+    def __init__(self, cfg: Config, train_rows: list[dict], heldout_rows: list[dict],
+                 dist: Dist | None = None):
         self.cfg = cfg
+        self.dist = dist or Dist()  # one process unless torchrun started several
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.device = pick_device(cfg.model.device)
         self.mem = MemoryProbe(self.device)  # baseline: before the model is loaded
@@ -68,7 +72,15 @@ class RLTrainer:
             raise OrbitError("config key 'rollout.overlap': the overlapped mode needs "
                              "train.mode adapter (full mode would hold a second copy of the "
                              "weights for the rollout thread)")
+        if cfg.rollout.overlap and self.dist.enabled:
+            raise OrbitError("config key 'rollout.overlap': not supported under torchrun "
+                             "(sharded forwards run in lockstep across ranks; a rollout "
+                             "thread beside training would interleave their collectives)")
         self.policy = build_policy(cfg, self.device)
+        if self.dist.enabled:
+            from orbitrl.dist.fsdp import shard_policy
+
+            shard_policy(self.policy, self.dist, cfg)
         self.model, self.tok = self.policy.model, self.policy.tokenizer
         self.train_rows, self.heldout_rows = train_rows, heldout_rows
         prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
@@ -83,6 +95,8 @@ class RLTrainer:
         self.data_pos = 0
         self.rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
         self.opt = self._optimizer()
+        if self.dist.enabled and is_fused(self.opt):
+            self.opt.reduce_sum = self.dist.all_sum  # norms and factored moments of shards
         self.anchors = Anchors(self.model, self.policy.reference, cfg.algo.anchor_refresh_steps,
                                cfg.algo.anchor_kl_threshold)
         self.kl_ctl = make_kl_controller("adaptive" if cfg.algo.adaptive_kl else "fixed",
@@ -105,7 +119,8 @@ class RLTrainer:
         self._resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._data_trained = None  # overlapped: (data_pos, order) as of the trained steps
         self._last_step_end: float | None = None
-        self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len)
+        self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len,
+                                             devices=self.dist.world)
         self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
                         self.critic, self.critic_opt)
 
@@ -127,7 +142,7 @@ class RLTrainer:
             plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb,
                                    available=available_memory(self.device),
                                    resident=tensor_bytes(self.model, self.policy.reference),
-                                   device=self.device.type)
+                                   device=self.device.type, devices=self.dist.world)
             budget = plan["blocks"] * bb
         engine = Engine(self.model, self.tok, kv_budget_bytes=budget,
                         kv_dtype="fp8" if fp8 else None, block_size=r.block_size,
@@ -161,6 +176,8 @@ class RLTrainer:
         return t.lr * warm
 
     def next_prompts(self) -> list[dict]:
+        """This rank's share of the step's prompts (every rank advances the data position
+        by the whole global batch); ``self.share_start`` is the share's global index."""
         P = self.cfg.rollout.prompts_per_step
         rows = []
         for _ in range(P):
@@ -168,7 +185,14 @@ class RLTrainer:
                 random.Random(self.cfg.train.seed + self.data_pos).shuffle(self.order)
             rows.append(self.train_rows[self.order[self.data_pos % len(self.order)]])
             self.data_pos += 1
-        return rows
+        a, b = self.dist.share(P)
+        self.share_start = a
+        return rows[a:b]
+
+    def _rollout_weights(self):
+        """Generation over sharded weights (ranks in lockstep) or gathered ones."""
+        d = self.cfg.dist
+        return rollout_weights(self.model, self.dist, d.rollout_weights, d.reshard_after_forward)
 
     def encode(self, text: str) -> list[int]:
         if self.cfg.data.chat_template:
@@ -181,14 +205,18 @@ class RLTrainer:
     def evaluate(self, rows: list[dict], reward: str | None = None) -> float:
         """Greedy accuracy (mean reward) on rows, with the run's reward or a named one."""
         d = self.cfg.data
+        total = len(rows)
+        a, b = self.dist.share(total)  # each rank scores its share, the sum is reduced
+        rows = rows[a:b]
         prompts = [self.encode(r[d.prompt_field]) for r in rows]
         params = SamplingParams(n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0)
-        samples = rollout(self.engine, prompts, rows, params, self.step_idx, 0)
+        with self._rollout_weights():
+            samples = rollout(self.engine, prompts, rows, params, self.step_idx, 0, first=a)
         runner = self.rewards if reward is None else RewardRunner(
             [RewardSource(get_reward(reward), name=reward)], timeout_s=self.cfg.reward.timeout_s)
         res = runner([r[d.prompt_field] for r in rows], [s.text for s in samples],
                      [reward_fields(r, d.prompt_field, d.answer_field) for r in rows])
-        return float(sum(res.rewards) / max(1, len(rows)))
+        return float(self.dist.all_sum(float(sum(res.rewards))) / max(1, total))
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> dict:
@@ -233,7 +261,7 @@ class RLTrainer:
         data_after = (self.data_pos, list(self.order))
         self.engine.memory_hook = self._engine_hook(cancel)
         try:
-            with timer.phase("rollout"):
+            with timer.phase("rollout"), self._rollout_weights():
                 if cancel is None:  # (the producer thread never flips modes: adapter_view)
                     self.model.eval()
                 params = SamplingParams(n=r.n, max_tokens=r.max_tokens,
@@ -242,7 +270,8 @@ class RLTrainer:
                 wd0 = self.engine.stats.get("watchdog_events", 0)
                 seed = cfg.train.seed * 7919 + (j if cancel is not None else version)
                 samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows],
-                                  rows, params, version, seed, deadline_s=r.timeout_s or None)
+                                  rows, params, version, seed, deadline_s=r.timeout_s or None,
+                                  first=self.share_start)
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
@@ -250,7 +279,7 @@ class RLTrainer:
                      watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
                      timeline=list(self.engine.timeline), data_after=data_after,
                      governor=self.governor.state() if self.governor else {})
-        if samples:
+        if samples or self.dist.enabled:  # (an empty rank joins the collectives below)
             with timer.phase("reward"):
                 res = self.rewards([s.fields[d.prompt_field] for s in samples],
                                    [s.text for s in samples],
@@ -289,14 +318,14 @@ class RLTrainer:
         if back:
             extra["memory_handed_back_bytes"] = hand_back(self.device) \
                 if self.device.type == "cuda" else 0
-        if not samples:  # the watchdog dropped every group: nothing to learn from
+        if not self.dist.any(bool(samples)):  # the watchdog dropped every group
             row = {"step": self.iteration, "reward_mean": 0.0, "step_skipped": 1,
                    "groups_kept": 0, **extra}
             row.update(self._step_metrics([], gen_tokens, timer, prod))
             self.iteration += 1
             return row
         res = batch["res"]
-        rewards = torch.tensor(res.rewards, dtype=torch.float32)
+        rewards = torch.tensor(res.rewards, dtype=torch.float32).reshape(-1)
         if algo.overlong == "shape":
             from orbitrl.rl.advantages import overlong_penalty
 
@@ -305,7 +334,7 @@ class RLTrainer:
         row = {"step": self.iteration, "reward_mean": float(torch.tensor(res.rewards).mean()),
                "groups_kept": len(samples) // r.n, **extra}
         row.update({k: v for k, v in res.metrics.items() if k != "reward_mean"})
-        stale = [self.step_idx - s.policy_version for s in samples]
+        stale = [self.step_idx - s.policy_version for s in samples] or [0]
         row["staleness_mean"] = sum(stale) / len(stale)
         row["staleness_max"] = max(stale)
         keep = torch.ones(len(samples), dtype=torch.bool)
@@ -316,6 +345,8 @@ class RLTrainer:
             row["dropped_groups"] = int((~keep).sum()) // r.n
         with timer.phase("score"):
             ctx = self._score(samples, rewards, keep)
+        if self.dist.any(ctx is not None) and ctx is None:  # others train: join them
+            ctx = self._empty_ctx()
         if ctx is None:
             row["step_skipped"] = 1
         else:
@@ -363,6 +394,13 @@ class RLTrainer:
         T = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         idx = [i for i in range(len(samples)) if keep[i]]
         if not idx:
+            if self.dist.enabled:  # nothing kept here: join the others' collectives
+                with lockstep(self.model, self.dist):
+                    pass
+                if self.critic is not None or algo.name == "reinforce++" or algo.kl_in_reward:
+                    from orbitrl.dist.batch import join_empty
+
+                    join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
             return None
         kept = [samples[i] for i in idx]
         full = pack(kept, self.device)
@@ -373,7 +411,7 @@ class RLTrainer:
         mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or algo.kl_in_reward
-        with torch.no_grad():
+        with torch.no_grad(), lockstep(self.model, self.dist):  # ranks' forwards in step
             parts = [pack([kept[j] for j in g], self.device) for g in mbs]
             if self.critic is not None:
                 scored = [score(self.model, p, T, return_hidden=True) for p in parts]
@@ -396,9 +434,23 @@ class RLTrainer:
         values = returns = None
         if self.critic is not None:
             values = _cat_padded(old_v, full.mask.shape)
-            adv, returns = ppo_advantages(algo, rewards[idx].to(self.device), values, full.mask,
-                                          kl_full, kl_coef)
-        else:
+            if self.dist.enabled:  # whitening over every rank's rows
+                from orbitrl.dist.batch import on_global_batch
+
+                adv, returns = on_global_batch(self.dist, lambda r_, v_, m_, k_: ppo_advantages(
+                    algo, r_, v_, m_, k_, kl_coef), rewards[idx].to(self.device), values,
+                    full.mask, kl_full)
+            else:
+                adv, returns = ppo_advantages(algo, rewards[idx].to(self.device), values,
+                                              full.mask, kl_full, kl_coef)
+        elif self.dist.enabled and (algo.name == "reinforce++" or algo.kl_in_reward):
+            # batch-wide statistics (whitening, the KL penalty's mean) over every rank's rows
+            from orbitrl.dist.batch import on_global_batch
+
+            adv = on_global_batch(self.dist, lambda r_, m_, k_: compute_advantages(
+                algo, r_, cfg.rollout.n, m_, k_, kl_coef),
+                rewards[idx].to(self.device), full.mask, kl_full)
+        else:  # GRPO / RLOO: group statistics, and whole groups stay on one rank
             adv = compute_advantages(algo, rewards[idx].to(self.device), cfg.rollout.n,
                                      full.mask, kl_full, kl_coef)
         out = {"logprob_mismatch_max": float(mm.max()),
@@ -414,13 +466,21 @@ class RLTrainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         denom = float(mask.sum()) if algo.loss_agg == "token-mean" else float(mask.shape[0])
+        # global tokens (or samples): the summed gradient over ranks is the one-process one
+        denom = self.dist.all_sum(denom)
         offsets = [0]
         for g in mbs:
             offsets.append(offsets[-1] + len(g))
         metrics_by_mb: dict = {}  # a fused two-pass step runs the closure twice: keep the last
         fused = is_fused(self.opt)
+        # every rank runs the same number of micro-batches (each is a collective)
+        n_mb = int(self.dist.all_max(len(parts)))
         for epoch in range(algo.epochs):
-            for k, p in enumerate(parts):
+            for k in range(n_mb):
+                if k >= len(parts):
+                    self._idle_micro_batch(fused)
+                    continue
+                p = parts[k]
                 a, b = offsets[k], offsets[k + 1]
                 T_k = p.mask.shape[1]
                 adv_k = adv[a:b, :T_k]
@@ -448,14 +508,37 @@ class RLTrainer:
                 else:
                     closure()
                 if self.critic is not None:
+                    sum_grads(self.critic.parameters(), self.dist)
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
                     self.critic_opt.step()
                     self.critic_opt.zero_grad(set_to_none=True)
         self.model.eval()
         return out | self._apply(fused, list(metrics_by_mb.values()), lr)
 
+    def _idle_micro_batch(self, fused: bool):
+        """A rank out of micro-batches joins the others' collectives with a zero loss."""
+        if self.critic is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
+        if fused:
+            self.opt.step(lambda: idle_backward(self.model))
+        else:
+            idle_backward(self.model)
+        if self.critic is not None:
+            sum_grads(self.critic.parameters(), self.dist)
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
+            self.critic_opt.step()
+            self.critic_opt.zero_grad(set_to_none=True)
+
+    def _empty_ctx(self) -> dict:
+        """The training context of a rank left with no kept samples (others have some)."""
+        z = torch.zeros(0, 1, device=self.device)
+        return dict(parts=[], mbs=[], old=[], ref=[None], adv=z, mask=z, kl_coef=self.kl_ctl.value,
+                    T=1.0, out={}, values=z, returns=z)
+
     def _apply(self, fused: bool, metrics: list[dict], lr: float) -> dict:
         out = {"lr": lr}
+        if self.dist.enabled:  # every rank aggregates every micro-batch: the same decisions
+            metrics = [m for ms in self.dist.gather_objects(metrics) for m in ms]
         if fused:
             st = self.opt.stats
             norm = st.last_grad_norm
@@ -468,7 +551,8 @@ class RLTrainer:
                 out.update(size)
         else:
             named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-            layers = layer_grad_norms(named)
+            layers = layer_grad_norms(named, reduce=self.dist.all_sum if self.dist.enabled
+                                      else None)
             norm = math.sqrt(sum(v * v for v in layers.values()))
             loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
             ok = self.guard.ok(norm if loss_ok else float("nan"))
@@ -478,7 +562,8 @@ class RLTrainer:
                 self.opt.step()
                 self.guard.accept(norm, layers)
                 if self.snapshot is not None:
-                    out.update(self.snapshot.update_size())
+                    out.update(self.snapshot.update_size(
+                        self.dist.all_sum if self.dist.enabled else None))
                     self.snapshot.save()
             else:
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]

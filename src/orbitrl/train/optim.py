@@ -38,6 +38,14 @@ micro-batch's own norm: over k micro-batches the update is ``lr * mean_i clip(g_
 (equal to the accumulated update to first order in lr; later micro-batches see the
 weights after the earlier ones). ``stats.steps`` counts optimizer steps (every k
 micro-batches), so a scheduler stepped every ``k`` calls behaves as with accumulation.
+
+Sharded parameters (FSDP2 DTensors, see ``orbitrl.dist.fsdp``): the hook fires on each
+rank's shard once the summed gradient of that shard has arrived, and updates that shard
+only. Everything that is a sum over the whole tensor (the squared norm for clipping,
+AdaLomo's column means, the row mean, the RMS of the update and of the weight) is summed
+over ranks by ``reduce_sum`` (set by the caller to an all-reduce), so every rank computes
+the update the one-process optimizer would; ``SHARDED_STATE`` names the state tensors that
+follow the parameter's dim-0 sharding (held as local shards), the rest are replicated.
 """
 
 from __future__ import annotations
@@ -113,6 +121,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._coef = 1.0
         self._bad = False
         self.veto = None  # optional (global grad norm) -> True to refuse this update
+        self.reduce_sum = None  # optional in-place sum over ranks, for sharded parameters
         self._prev_norm: float | None = None
         self._group_of: dict[int, dict] = {}
         self._handles = []
@@ -138,12 +147,16 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- the hook: runs inside backward, once per parameter per backward -----------------
     @torch.no_grad()
     def _hook(self, p: torch.Tensor):
+        key = p  # the registered parameter (a DTensor when sharded): state and group key
         g = p.grad
         if g is None:
             return
         if g.is_sparse:
             raise OrbitError("fused optimizers do not support sparse gradients")
         phase = self._phase
+        sharded = _is_dtensor(p)
+        if sharded:  # this rank's shard of the parameter and of its summed gradient
+            p, g = p.to_local(), g.to_local()
         if phase == "idle":
             raise OrbitError("backward ran outside optimizer.step(closure): a fused optimizer "
                              "updates inside backward, so call opt.step(closure) where "
@@ -151,15 +164,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         if phase == "measure":
             self._sq += g.float().pow(2).sum()
         elif phase == "apply":
-            self._update(p, g, self._group_of[id(p)], self._coef, self._lr(p))
+            self._update(p, g, self._group_of[id(key)], self._coef, self._lr(key),
+                         **self._shard_kw(key, sharded))
         else:  # "oneshot": clip from the previous norm, check each gradient before use
             sq = g.float().pow(2).sum()
             self._sq += sq
             if not self._bad and not bool(torch.isfinite(sq)):
                 self._bad = True
             if not self._bad:
-                self._update(p, g, self._group_of[id(p)], self._coef, self._lr(p))
-        p.grad = None
+                self._update(p, g, self._group_of[id(key)], self._coef, self._lr(key),
+                             **self._shard_kw(key, sharded))
+        key.grad = None
+
+    def _shard_kw(self, key, sharded: bool) -> dict:
+        if not sharded:
+            return {}
+        return {"state_key": key, "full_shape": tuple(key.shape), "allsum": self._allsum}
+
+    def _allsum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.reduce_sum is not None:
+            self.reduce_sum(t)
+        return t
 
     def _lr(self, p) -> float:
         return self._group_of[id(p)]["lr"] / self.accumulation_steps
@@ -200,7 +225,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self.two_pass or self._prev_norm is None:
             rng = _rng_state()
             loss = self._run(closure, "measure")
-            norm = float(self._sq.sqrt())
+            norm = float(self._allsum(self._sq).sqrt())
             self.stats.last_grad_norm = norm
             if not (_finite(loss) and math.isfinite(norm)):
                 self.stats.skipped += 1
@@ -218,14 +243,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._bad = False
             self._zero_update_sums(dev)
             loss = self._run(closure, "oneshot")
-            norm = float(self._sq.sqrt())
+            norm = float(self._allsum(self._sq).sqrt())
             self.stats.last_grad_norm = norm
             if self._bad or not _finite(loss):
                 self.stats.partial += 1
                 return loss
         self._prev_norm = norm
-        self.stats.update_sq += float(self._dsq)
-        self.stats.weight_sq += float(self._wsq)
+        self.stats.update_sq += float(self._allsum(self._dsq))  # shards: summed over ranks
+        self.stats.weight_sq += float(self._allsum(self._wsq))
         self.stats.last_clip_coef = self._coef
         self.stats.micro_steps += 1
         self.stats.steps = self.stats.micro_steps // self.accumulation_steps
@@ -251,7 +276,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _device(self):
         for g in self.param_groups:
             for p in g["params"]:
-                return p.device
+                return p.device  # a DTensor reports its local device
         return torch.device("cpu")
 
     def zero_grad(self, set_to_none: bool = True):
@@ -270,8 +295,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.stats = FusedStats(**fused["stats"])
             self._prev_norm = fused["prev_norm"]
 
-    def _update(self, p, g, group, coef, lr):  # pragma: no cover - abstract
+    SHARDED_STATE: tuple = ()  # state keys held as dim-0 shards of a sharded parameter
+
+    def _update(self, p, g, group, coef, lr, **shard):  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
 
 
 def _finite(loss) -> bool:
@@ -338,7 +370,8 @@ class FusedSGD(FusedOptimizer):
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
                          nonfinite=nonfinite, accumulation_steps=accumulation_steps)
 
-    def _update(self, p, g, group, coef, lr):
+    def _update(self, p, g, group, coef, lr, **_shard):
+        # elementwise: a shard updates exactly like its slice of the whole tensor
         d = g.float() * coef if coef != 1.0 else g.float()  # may alias g: freed after
         pf = p.float()  # p itself when fp32
         if group["weight_decay"]:
@@ -378,24 +411,34 @@ class FusedAdaLomo(FusedOptimizer):
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
                          nonfinite=nonfinite, accumulation_steps=accumulation_steps)
 
-    def _update(self, p, g, group, coef, lr):
-        st = self.state[p]
+    SHARDED_STATE = ("row", "sq")  # "col" (one value per column) is replicated
+
+    def _update(self, p, g, group, coef, lr, state_key=None, full_shape=None, allsum=None):
+        """``p``/``g`` may be a dim-0 shard (``full_shape`` the whole tensor's shape, ``allsum``
+        an in-place sum over the ranks); the arithmetic is then the whole tensor's."""
+        st = self.state[p if state_key is None else state_key]
         st["step"] = t = st.get("step", 0) + 1
         beta2 = 1.0 - math.pow(t, group["decay_rate"])
         eps1, eps2 = group["eps"]
         # at most one gradient-sized temporary alive at a time (embeddings are large)
         g = g.float() * coef if coef != 1.0 else g.float()
         sq = (g * g).add_(eps1)
-        if g.dim() >= 2:
+        if len(full_shape or g.shape) >= 2:
             if "row" not in st:
                 st["row"] = torch.zeros(g.shape[:-1], dtype=torch.float32, device=g.device)
                 st["col"] = torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=torch.float32,
                                         device=g.device)
             row, col = st["row"], st["col"]
             row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1 - beta2)
-            col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
-            del sq
-            r = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            if allsum is None:
+                col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
+                del sq
+                r = (row / row.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            else:  # rows are split over ranks: column means and the row mean are sums
+                m = full_shape[-2]
+                col.mul_(beta2).add_(allsum(sq.sum(dim=-2)).div_(m), alpha=1 - beta2)
+                del sq
+                r = (row / (allsum(row.sum(dim=-1, keepdim=True)) / m)).rsqrt().unsqueeze(-1)
             u = g.mul(r).mul_(col.unsqueeze(-2).rsqrt())
         else:
             if "sq" not in st:
@@ -404,9 +447,9 @@ class FusedAdaLomo(FusedOptimizer):
             v.mul_(beta2).add_(sq, alpha=1 - beta2)
             del sq
             u = v.rsqrt().mul_(g)
-        u.div_((_rms(u) / group["clip_threshold"]).clamp(min=1.0))
+        u.div_((_rms(u, full_shape, allsum) / group["clip_threshold"]).clamp(min=1.0))
         pf = p.float()
-        lr_t = lr * max(eps2, float(_rms(pf)))
+        lr_t = lr * max(eps2, float(_rms(pf, full_shape, allsum)))
         # change = -lr_t * (wd * W + u): its squared norm from three reductions
         a, uu = lr_t * group["weight_decay"], torch.linalg.vector_norm(u).square()
         d_sq = lr_t * lr_t * uu
@@ -419,8 +462,10 @@ class FusedAdaLomo(FusedOptimizer):
         _write(p, pf.add_(u, alpha=-lr_t))
 
 
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    return x.norm(2) / math.sqrt(x.numel())
+def _rms(x: torch.Tensor, full_shape=None, allsum=None) -> torch.Tensor:
+    if allsum is None:
+        return x.norm(2) / math.sqrt(x.numel())
+    return allsum(x.pow(2).sum()).sqrt() / math.sqrt(math.prod(full_shape))
 
 
 OPTIMIZERS = ("adamw", "sgd", "adalomo")

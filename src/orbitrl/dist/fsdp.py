@@ -1,0 +1,202 @@
+"""Weights sharded with FSDP2: one ``fully_shard`` per decoder layer, then the root.
+
+What is sharded (dim 0, ``torch.chunk`` over the ranks) is every *parameter*: the trained
+weights in full mode, the LoRA adapters, and a frozen base kept in plain fp32 parameters.
+A frozen base stored by :class:`orbitrl.model.quant.FrozenLinear` (bf16, int8, nf4, int4)
+lives in module *buffers*, which FSDP2 does not shard: it stays replicated on every rank
+(``docs/distributed.md`` says why). The full-parameter mode's int8 reference is a separate
+host-resident model and stays replicated too.
+
+Gradients are *summed* over ranks (FSDP2's default is the mean): the loss is normalised by
+the global token or sample count, so the summed gradient is exactly the one-process
+gradient of the same global batch. gloo has no pre-multiplied sum, so the divide factor 1
+is applied with a plain SUM (``set_force_sum_reduction_for_comms``).
+
+Every forward of a sharded model is a collective (each layer is all-gathered), so all ranks
+must run the same number of forwards. Training pads the micro-batch count with
+:func:`idle_backward`; generation and scoring, whose forward counts depend on the samples,
+run inside :func:`lockstep`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from orbitrl.dist.env import Dist
+
+
+def fsdp_modules(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True,
+                prefetch_layers: int = 1) -> None:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head).
+
+    Args:
+        reshard_after_forward: free each layer's gathered weights after its forward (the
+            backward gathers them again); False keeps them until backward ends.
+        prefetch_layers: 1 issues the all-gather of the next layer (forward) or the previous
+            one (backward) while the current one computes; 0 gathers on demand.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = "cuda" if dist.backend == "nccl" else "cpu"
+    mesh = init_device_mesh(dev, (dist.world,))
+    layers = list(model.model.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # the root (embeddings, final norm, head) stays gathered from its forward until the
+    # step's phase ends: the engine and the chunked logprobs call ``lm_head`` outside the
+    # root's forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    for m in fsdp_modules(model):
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    if prefetch_layers:
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+            if i > 0:
+                layer.set_modules_to_backward_prefetch([layers[i - 1]])
+
+
+def shard_policy(policy, dist: Dist, cfg) -> None:
+    """Shard ``policy.model`` in place and point ``policy.trainable`` at the sharded
+    parameters (``fully_shard`` replaces each parameter by a DTensor one), in the same order."""
+    model = policy.model
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    order = [names[id(p)] for p in policy.trainable]
+    shard_model(model, dist, cfg.dist.reshard_after_forward, cfg.dist.prefetch_layers)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    policy.trainable = [params[n] for n in order]
+
+
+def reshard(model: nn.Module) -> None:
+    """Free gathered weights (the root keeps its own after a forward until told)."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return bool(fsdp_modules(model))
+
+
+def _idle_ids(model) -> torch.Tensor:
+    return torch.zeros(1, 1, dtype=torch.long, device=model.device)
+
+
+@torch.no_grad()
+def idle_forward(model: nn.Module) -> None:
+    """One forward over a single token: this rank's share of a collective forward whose
+    own work has run out (its gathers match the other ranks')."""
+    h = model(_idle_ids(model), return_hidden=True)
+    model.lm_head(h)
+
+
+def idle_backward(model: nn.Module) -> torch.Tensor:
+    """Forward + backward with a zero loss that touches every trainable parameter (the head
+    included), so this rank joins each layer's all-gather and reduce-scatter while adding
+    nothing to the summed gradient. Returns the (zero) loss."""
+    h = model(_idle_ids(model), return_hidden=True)
+    loss = model.lm_head(h).float().sum() * 0.0
+    loss.backward()
+    return loss
+
+
+@contextmanager
+def lockstep(model: nn.Module, dist: Dist):
+    """Run a data-dependent number of forwards (generation, scoring) on every rank.
+
+    Each forward of the sharded model is preceded by a one-number all-reduce: "I still have
+    work". A rank whose own work is done keeps answering with idle forwards until every
+    rank is done, so all ranks issue the same gathers in the same order. A no-op with one
+    process or an unsharded model.
+    """
+    if not dist.enabled or not is_sharded(model):
+        yield
+        return
+    state = {"idle": False}
+
+    def pre(_mod, _args):
+        if not state["idle"]:
+            dist.all_sum(1.0)
+
+    # prepend: run before FSDP's own pre-forward (the root's all-gather)
+    handle = model.register_forward_pre_hook(pre, prepend=True)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        state["idle"] = True
+        try:
+            if ok:  # after an error the other ranks fail on the timeout instead
+                while dist.all_sum(0.0) > 0:
+                    idle_forward(model)
+                reshard(model)
+        finally:
+            handle.remove()
+
+
+@contextmanager
+def rollout_weights(model: nn.Module, dist: Dist, mode: str = "sharded",
+                    reshard_after_forward: bool = True):
+    """The weights generation runs on (``dist.rollout_weights``).
+
+    ``sharded``: each forward gathers layer by layer, in :func:`lockstep`; a rank holds its
+    shard plus the layers in flight. ``gathered``: every layer is all-gathered once at the
+    start and kept until the block ends, so decoding issues no collectives and ranks need
+    not keep pace (a rank holds the whole weights for the phase).
+    """
+    if not dist.enabled or not is_sharded(model) or mode == "sharded":
+        with lockstep(model, dist):
+            yield
+        return
+    mods = fsdp_modules(model)
+    for m in mods:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(reshard_after_forward and m is not model,
+                                        recurse=False)
+
+
+@contextmanager
+def gathered(model: nn.Module):
+    """Every parameter whole on every rank for the block (export of a full model)."""
+    mods = fsdp_modules(model)
+    for m in mods:
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.reshard()
+
+
+def sum_grads(params, dist: Dist) -> None:
+    """Sum the gradients of replicated (unsharded) parameters over ranks (PPO's value head)."""
+    if not dist.enabled:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_sum(p.grad)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,175 @@
+"""The run's state as a sharded checkpoint (torchrun): what ``rl/checkpoint.py`` writes and
+reads when ranks hold shards.
+
+Tensors (trainable parameters, optimizer state, the adapter anchor) go through
+``orbitrl.dist.checkpoint`` keyed by parameter name; everything else goes to rank 0's
+``meta.pt``. Restoring fills this run's layout, whatever world size wrote the checkpoint;
+a one-process ``state.pt`` restores into shards by keeping each rank's rows.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from orbitrl.errors import OrbitError
+from orbitrl.rl.checkpoint import _cpu
+
+
+def _trainable_names(tr) -> list[str]:
+    from orbitrl.dist.fsdp import reshard
+
+    reshard(tr.model)  # the registered parameters are the sharded ones
+    ids = {id(p): n for n, p in tr.model.named_parameters(remove_duplicate=False)}
+    return [ids[id(p)] for p in tr.policy.trainable]
+
+
+def _split(opt, key: str, p, shape=None) -> bool:
+    """Whether optimizer state ``key`` of parameter ``p`` is held split by rows as ``p``."""
+    from orbitrl.dist.checkpoint import is_dtensor
+    from orbitrl.train.optim import is_fused
+
+    if not is_dtensor(p):
+        return False
+    if is_fused(opt):
+        return key in opt.SHARDED_STATE
+    return shape is not None and tuple(shape) == tuple(p.shape)  # torch.optim: like p
+
+
+def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
+    """(tensors for DCP keyed by name, everything else for rank 0's ``meta.pt``)."""
+    from orbitrl.dist.checkpoint import dim0_shard, is_dtensor
+
+    names = _trainable_names(tr)
+    tensors, scalars = {}, {}
+    for n, p in zip(names, tr.policy.trainable):
+        tensors[f"param/{n}"] = p.detach()
+        for k, v in tr.opt.state.get(p, {}).items():
+            if not isinstance(v, torch.Tensor):
+                scalars.setdefault(n, {})[k] = v
+            elif not is_dtensor(v) and _split(tr.opt, k, p):
+                tensors[f"optim/{n}/{k}"] = dim0_shard(v, p, (p.shape[0],) + tuple(v.shape[1:]))
+            else:
+                tensors[f"optim/{n}/{k}"] = v
+    if tr.anchors.snapshot is not None:
+        for i, t in enumerate(tr.anchors.snapshot):
+            tensors[f"anchor/{i}"] = t
+    osd = tr.opt.state_dict()
+    anchors = tr.anchors.state_dict()
+    meta = {
+        "format": "sharded", "world": tr.dist.world,
+        "step_idx": tr.step_idx, "iteration": tr.iteration, "data_pos": tr.data_pos,
+        "order": list(tr.order), "fused_applied": tr._fused_applied,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in osd["param_groups"]],
+        "fused": osd.get("fused"), "optim_scalars": scalars,
+        "anchors": {k: v for k, v in anchors.items() if k != "snapshot"},
+        "anchor_count": None if tr.anchors.snapshot is None else len(tr.anchors.snapshot),
+        "guard": tr.guard.state_dict(), "kl_coef": tr.kl_ctl.value,
+        "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(),
+        "rng_engine": tr.engine.rng.get_state(), "extra": extra,
+    }
+    if tr.critic is not None:  # replicated, identical on every rank
+        meta["critic"] = _cpu(tr.critic.state_dict())
+        meta["critic_opt"] = _cpu(tr.critic_opt.state_dict())
+    return tensors, meta
+
+
+def _restore_common(tr, state: dict):
+    tr._fused_applied = state["fused_applied"]
+    tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
+    tr.iteration = state["iteration"]
+    tr.guard.load_state_dict(state["guard"])
+    tr.kl_ctl.value = state["kl_coef"]
+    random.setstate(state["rng_python"])
+    torch.set_rng_state(state["rng_torch"])
+    tr.engine.rng.set_state(state["rng_engine"])
+    if tr.critic is not None:
+        tr.critic.load_state_dict(state["critic"])
+        tr.critic_opt.load_state_dict(state["critic_opt"])
+
+
+def restore_whole_into_shards(tr, state: dict):
+    """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
+    from orbitrl.dist.checkpoint import local_rows, shard_like
+
+    params = tr.policy.trainable
+    with torch.no_grad():
+        for p, s in zip(params, state["trainable"]):
+            p.to_local().copy_(local_rows(s, p)) if hasattr(p, "to_local") else p.copy_(s)
+    tr.opt.load_state_dict(state["optimizer"])
+    from orbitrl.train.optim import is_fused
+
+    for p in params:
+        st = tr.opt.state.get(p, {})
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and _split(tr.opt, k, p, v.shape):
+                st[k] = local_rows(v, p) if is_fused(tr.opt) else shard_like(v, p)
+    anchors = dict(state["anchors"])
+    if anchors.get("snapshot") is not None:
+        from orbitrl.model.lora import adapter_parameters
+
+        anchors["snapshot"] = [shard_like(s, p) for s, p in
+                               zip(anchors["snapshot"], adapter_parameters(tr.model))]
+    tr.anchors.load_state_dict(anchors)
+    _restore_common(tr, state)
+    if tr.snapshot is not None:
+        tr.snapshot.save()
+
+
+def restore_sharded(tr, path: Path) -> dict:
+    """A DCP checkpoint into this run's layout (one process, or any number of ranks)."""
+    from orbitrl.dist import checkpoint as dcp
+    from orbitrl.train.optim import is_fused
+
+    try:
+        meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise OrbitError(f"{path / 'meta.pt'}: unreadable checkpoint ({e})") from None
+    held = dcp.stored(path)
+    names = _trainable_names(tr)
+    by_name = dict(zip(names, tr.policy.trainable))
+    missing = [n for n in names if f"param/{n}" not in held]
+    if missing:
+        raise OrbitError(f"{path}: checkpoint lacks trainable tensor {missing[0]!r} "
+                         "(saved by a different train.mode or model?)")
+    targets = {f"param/{n}": p.detach() for n, p in by_name.items()}
+    for key, (shape, dtype) in held.items():
+        if key.startswith("optim/"):
+            n, k = key[len("optim/"):].rsplit("/", 1)
+            p = by_name[n]
+            targets[key] = dcp.empty_target(shape, dtype, p, _split(tr.opt, k, p, shape))
+        elif key.startswith("anchor/"):
+            from orbitrl.model.lora import adapter_parameters
+
+            p = adapter_parameters(tr.model)[int(key.split("/")[1])]
+            targets[key] = dcp.empty_target(shape, dtype, p, True)
+    with torch.no_grad():
+        dcp.load(targets, path)  # parameters are filled in place
+    fused = is_fused(tr.opt)
+    tr.opt.state.clear()
+    for n, p in by_name.items():
+        st = dict(meta["optim_scalars"].get(n, {}))
+        for key, t in targets.items():
+            if key.startswith(f"optim/{n}/") and key.count("/") == n.count("/") + 2:
+                k = key.rsplit("/", 1)[1]
+                st[k] = t.to_local() if fused and dcp.is_dtensor(t) else t
+        if st:
+            tr.opt.state[p] = st
+    for g, sg in zip(tr.opt.param_groups, meta["param_groups"]):
+        g.update(sg)
+    if meta["fused"] is not None:
+        from orbitrl.train.optim import FusedStats
+
+        tr.opt.stats = FusedStats(**meta["fused"]["stats"])
+        tr.opt._prev_norm = meta["fused"]["prev_norm"]
+    anchors = dict(meta["anchors"])
+    anchors["snapshot"] = None if meta["anchor_count"] is None else \
+        [targets[f"anchor/{i}"] for i in range(meta["anchor_count"])]
+    tr.anchors.load_state_dict(anchors)
+    _restore_common(tr, meta)
+    if tr.snapshot is not None:
+        tr.snapshot.save()
+    return meta
