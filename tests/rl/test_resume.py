@@ -39,21 +39,25 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("kill_after_steps", [1, 3])
-def test_sigkill_then_resume_is_bit_exact(reference, tmp_path, kill_after_steps):
-    run = tmp_path / "run"
-    p = subprocess.Popen(cmd("--out", str(run)), stdout=subprocess.DEVNULL,
+def kill_then_resume(run, kill_after_steps: int, *extra: str):
+    """Start a run, SIGKILL it once ``kill_after_steps`` steps are logged, resume it."""
+    p = subprocess.Popen(cmd("--out", str(run), *extra), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while len(steps_logged(run)) < kill_after_steps and time.time() < deadline:
-        if p.poll() is not None:
-            break
+    while len(steps_logged(run)) < kill_after_steps and time.time() < deadline \
+            and p.poll() is None:
         time.sleep(0.05)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     r = subprocess.run(cmd("--resume", str(run)), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert steps_logged(run) == list(range(6))
+
+
+@pytest.mark.parametrize("kill_after_steps", [1, 3])
+def test_sigkill_then_resume_is_bit_exact(reference, tmp_path, kill_after_steps):
+    run = tmp_path / "run"
+    kill_then_resume(run, kill_after_steps)
     a, b = final_state(reference), final_state(run)
     assert a.keys() == b.keys()
     assert all(a[k].equal(b[k]) for k in a)
@@ -105,17 +109,7 @@ def test_overlapped_sigkill_then_resume_is_bit_exact(reference_overlapped, tmp_p
     """Overlapped, a rollout is in flight when the kill lands; the checkpoint holds the
     adapter snapshot it samples from, so the resumed run regenerates it identically."""
     run = tmp_path / "run"
-    over = ("--set", "rollout.overlap=true")
-    p = subprocess.Popen(cmd("--out", str(run), *over), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while len(steps_logged(run)) < 3 and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    r = subprocess.run(cmd("--resume", str(run)), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert steps_logged(run) == list(range(6))
+    kill_then_resume(run, 3, "--set", "rollout.overlap=true")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["staleness_max"] for r in rows][2:] == [1] * 4
     a, b = final_state(reference_overlapped), final_state(run)

@@ -105,6 +105,10 @@ def test_full_parameter_mode_runs_with_fused_update():
     changed = sum(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
     assert changed > 0
     assert row["kl"] < 5e-2  # int8 host reference vs fp32 policy at step 0
+    d = math.sqrt(sum(float((p.detach() - q).pow(2).sum())
+                      for p, q in zip(tr.model.parameters(), before)))
+    assert row["update_norm"] == pytest.approx(d, rel=1e-3)  # the fused step's own account
+    assert 0 < row["update_rel"] < 1
 
 
 def test_ppo_with_critic_trains_the_value_head():

@@ -145,16 +145,7 @@ class Checkpointer:
             tmp = self.root / f"step-{step:06d}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            with open(tmp / "state.pt", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _atomic_text(self.root / "latest", final.name)
-            self.written.append(step)
-            self._rotate()
+            self._publish(state, tmp / "state.pt", final, step)
         except BaseException as e:  # surfaced on the training thread at the next wait()
             self.error = e
 
@@ -174,17 +165,22 @@ class Checkpointer:
         tensors, meta = capture_sharded(tr, extra)
         dcp.save(tensors, tmp)
         if d.is_main:
-            with open(tmp / "meta.pt", "wb") as f:
-                torch.save(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _atomic_text(self.root / "latest", final.name)
-            self.written.append(step)
-            self._rotate()
+            self._publish(meta, tmp / "meta.pt", final, step)
         d.barrier()
+
+    def _publish(self, obj, file: Path, final: Path, step: int):
+        """Write ``obj`` to ``file`` (inside the temporary directory), then rename the
+        directory to ``final``, point ``latest`` at it and rotate old ones."""
+        with open(file, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(file.parent, final)
+        _atomic_text(self.root / "latest", final.name)
+        self.written.append(step)
+        self._rotate()
 
     def _rotate(self):
         steps = sorted(p for p in self.root.glob("step-*") if p.is_dir()
