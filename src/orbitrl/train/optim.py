@@ -249,8 +249,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.stats.partial += 1
                 return loss
         self._prev_norm = norm
-        self.stats.update_sq += float(self._allsum(self._dsq))  # shards: summed over ranks
-        self.stats.weight_sq += float(self._allsum(self._wsq))
+        sums = self._allsum(torch.stack([self._dsq, self._wsq]))  # shards: one sum over ranks
+        self.stats.update_sq += float(sums[0])
+        self.stats.weight_sq += float(sums[1])
         self.stats.last_clip_coef = self._coef
         self.stats.micro_steps += 1
         self.stats.steps = self.stats.micro_steps // self.accumulation_steps
@@ -260,10 +261,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._dsq = torch.zeros((), dtype=torch.float32, device=dev)
         self._wsq = torch.zeros((), dtype=torch.float32, device=dev)
 
-    def _note(self, w: torch.Tensor, d_sq: torch.Tensor):
-        """Record one tensor's update: w its fp32 value before, d_sq the squared norm of the
-        change (reductions only, no temporary of the tensor's size)."""
-        self._wsq += torch.linalg.vector_norm(w).square()
+    def _note(self, w_sq: torch.Tensor, d_sq: torch.Tensor):
+        """Record one tensor's update: the squared norms of its value before and of the
+        change (computed from reductions, no temporary of the tensor's size)."""
+        self._wsq += w_sq
         self._dsq += d_sq
 
     def take_update_size(self) -> dict:
@@ -376,7 +377,8 @@ class FusedSGD(FusedOptimizer):
         pf = p.float()  # p itself when fp32
         if group["weight_decay"]:
             d = d.add(pf, alpha=group["weight_decay"])
-        self._note(pf, torch.linalg.vector_norm(d).square() * lr * lr)
+        self._note(torch.linalg.vector_norm(pf).square(),
+                   torch.linalg.vector_norm(d).square() * lr * lr)
         _write(p, pf.add_(d, alpha=-lr))
 
 
@@ -447,25 +449,32 @@ class FusedAdaLomo(FusedOptimizer):
             v.mul_(beta2).add_(sq, alpha=1 - beta2)
             del sq
             u = v.rsqrt().mul_(g)
-        u.div_((_rms(u, full_shape, allsum) / group["clip_threshold"]).clamp(min=1.0))
+        # one sum of squares per tensor (this shard's), reused for the RMS clip of u, the
+        # RMS step scale of W and the size of the change
+        u_sq = torch.linalg.vector_norm(u).square()
+        clip = (_rms(u_sq, u, full_shape, allsum) / group["clip_threshold"]).clamp(min=1.0)
+        u.div_(clip)
+        u_sq = u_sq / clip.square()
         pf = p.float()
-        lr_t = lr * max(eps2, float(_rms(pf, full_shape, allsum)))
-        # change = -lr_t * (wd * W + u): its squared norm from three reductions
-        a, uu = lr_t * group["weight_decay"], torch.linalg.vector_norm(u).square()
-        d_sq = lr_t * lr_t * uu
+        w_sq = torch.linalg.vector_norm(pf).square()
+        lr_t = lr * max(eps2, float(_rms(w_sq, pf, full_shape, allsum)))
+        # change = -lr_t * (wd * W + u): its squared norm from these sums and one dot
+        a = lr_t * group["weight_decay"]
+        d_sq = lr_t * lr_t * u_sq
         if a:
-            ww = torch.linalg.vector_norm(pf).square()
-            d_sq = d_sq + a * a * ww + 2 * a * lr_t * torch.dot(pf.reshape(-1), u.reshape(-1))
-        self._note(pf, d_sq)
+            d_sq = d_sq + a * a * w_sq + 2 * a * lr_t * torch.dot(pf.reshape(-1), u.reshape(-1))
+        self._note(w_sq, d_sq)
         if group["weight_decay"]:
             pf.mul_(1 - lr_t * group["weight_decay"])
         _write(p, pf.add_(u, alpha=-lr_t))
 
 
-def _rms(x: torch.Tensor, full_shape=None, allsum=None) -> torch.Tensor:
+def _rms(sq: torch.Tensor, x: torch.Tensor, full_shape=None, allsum=None) -> torch.Tensor:
+    """RMS of the whole tensor from ``sq``, the sum of squares of ``x`` (this rank's shard
+    when ``allsum`` sums over the ranks; ``sq`` itself is left as it is)."""
     if allsum is None:
-        return x.norm(2) / math.sqrt(x.numel())
-    return allsum(x.pow(2).sum()).sqrt() / math.sqrt(math.prod(full_shape))
+        return sq.sqrt() / math.sqrt(x.numel())
+    return allsum(sq.clone()).sqrt() / math.sqrt(math.prod(full_shape))
 
 
 OPTIMIZERS = ("adamw", "sgd", "adalomo")
