@@ -119,11 +119,11 @@ class Engine:
         bad = [t for t in p.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             return [], f"unknown stop token id {bad[0]!r} (vocabulary is [0, {vocab}))"
-        need = self._blocks_for(len(ids), p.max_tokens)
-        if need > max(self.pool.num_blocks, self.max_blocks):
-            return [], (f"one sample needs {need} KV blocks; the pool has "
-                        f"{max(self.pool.num_blocks, self.max_blocks)} (raise the KV budget "
-                        "or lower max_tokens)")
+        need, most = self._blocks_for(len(ids), p.max_tokens), max(self.pool.num_blocks,
+                                                                    self.max_blocks)
+        if need > most:
+            return [], (f"one sample needs {need} KV blocks; the pool has {most} (raise the "
+                        "KV budget or lower max_tokens)")
         return ids, None
 
     def _blocks_for(self, prompt_len: int, max_tokens: int) -> int:
@@ -195,8 +195,8 @@ class Engine:
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
         total = sum(r.params.n if r.params else (p or SamplingParams()).n
                     for r, p, o in zip(reqs, plist, outs) if o.error is None)
-        if self.pool.num_blocks < self.min_blocks():  # a throttled pool must fit each sample
-            self.resize_pool(self.min_blocks())
+        if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
+            self.resize_pool(least)                               # fit each sample
         t0 = time.perf_counter()
         with tqdm(total=total, disable=not progress, unit="sample") as bar:
             while self.scheduler.has_work():

@@ -16,11 +16,13 @@ GPU, and ``MemAvailable`` (capped by the cgroup limit, where one is set) on the 
 
 from __future__ import annotations
 
-import ctypes
-import os
+import functools
 from pathlib import Path
 
 import torch
+
+from orbitrl.observe.memory import trim_heap
+from orbitrl.observe.metrics import rss_bytes
 
 
 def available_memory(device) -> int:
@@ -42,16 +44,27 @@ def _meminfo(key: str) -> int:
     return 0
 
 
-def _cgroup_room() -> int | None:
-    """cgroup v2 memory.max - memory.current for this process's group, if limited."""
+@functools.lru_cache(maxsize=1)
+def _cgroup_dir() -> Path | None:
+    """This process's cgroup v2 directory (it does not change during a run)."""
     try:
         rel = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::")[-1]
-        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+    except (OSError, IndexError):
+        return None
+    return Path("/sys/fs/cgroup") / rel.lstrip("/")
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2 memory.max - memory.current for this process's group, if limited."""
+    base = _cgroup_dir()
+    if base is None:
+        return None
+    try:
         limit = (base / "memory.max").read_text().strip()
         if limit == "max":
             return None
         return int(limit) - int((base / "memory.current").read_text())
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
 
 
@@ -66,29 +79,10 @@ def hand_back(device) -> int:
         before = torch.cuda.memory_reserved(dev)
         torch.cuda.empty_cache()
         return int(before - torch.cuda.memory_reserved(dev))
-    trim = _malloc_trim()
-    if trim is None:
+    before = rss_bytes()
+    if not trim_heap():
         return 0
-    before = _rss()
-    trim(0)
-    return max(0, before - _rss())
-
-
-_TRIM: list = []
-
-
-def _malloc_trim():
-    if not _TRIM:
-        try:
-            _TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
-        except (OSError, AttributeError):
-            _TRIM.append(None)
-    return _TRIM[0]
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return max(0, before - rss_bytes())
 
 
 class KVGovernor:
@@ -97,24 +91,20 @@ class KVGovernor:
     Args:
         min_available: bytes that must stay free; below it the pool throttles.
         max_blocks: the pool's cap (what the workload can use at most).
-        available_fn: ``() -> bytes free`` (tests inject one; default ``available_memory``).
-        every: check once per this many engine steps (reading free memory costs ~10 us).
+        available_fn: ``() -> bytes free`` (tests inject one; default ``available_memory``:
+            two small file reads on the host, a few microseconds against a decode step's
+            milliseconds).
     """
 
     def __init__(self, min_available: int, max_blocks: int, available_fn=None,
-                 device="cpu", every: int = 1):
+                 device="cpu"):
         self.min_available, self.max_blocks = int(min_available), int(max_blocks)
         self.available_fn = available_fn or (lambda: available_memory(device))
-        self.every = max(1, int(every))
-        self.calls = 0
         self.throttle_events = self.grow_events = 0
         self.blocks_released = self.blocks_added = 0
         self.low_blocks: int | None = None  # smallest pool size reached
 
     def __call__(self, engine) -> None:
-        self.calls += 1
-        if self.calls % self.every:
-            return
         pool, bb = engine.pool, engine.block_bytes
         room = self.available_fn() - self.min_available
         n = pool.num_blocks

@@ -44,8 +44,6 @@ class KVCache:
                 new[:, :t.shape[1]] = t
             else:
                 new = t[:, :slots].clone()
-            setattr(self, name, None)
-            del t
             setattr(self, name, new)
 
     def _fields(self):

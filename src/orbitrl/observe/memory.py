@@ -41,13 +41,22 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _trim():
-    """Hand freed heap back to the OS (glibc keeps it otherwise, and RSS would count it)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+_MALLOC_TRIM: list = []
+
+
+def trim_heap() -> bool:
+    """Hand freed heap back to the OS (glibc keeps it otherwise, and RSS would count it);
+    False where there is no glibc."""
+    if not _MALLOC_TRIM:
+        try:
+            import ctypes
+            _MALLOC_TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
+        except (OSError, AttributeError):
+            _MALLOC_TRIM.append(None)
+    if _MALLOC_TRIM[0] is None:
+        return False
+    _MALLOC_TRIM[0](0)
+    return True
 
 
 _LIB_CACHE: list = [None, 0]  # (file-backed RSS when last parsed, library RSS then)
@@ -85,7 +94,7 @@ def _parse_library_rss() -> int:
 
 
 def _reset_rss_peak() -> bool:
-    _trim()
+    trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -109,7 +118,7 @@ class MemoryProbe:
                 import torchao  # noqa: F401
             except Exception:
                 pass
-            _trim()
+            trim_heap()
             self.baseline = rss_bytes()
             self.lib_baseline = library_rss_bytes()
             self.method = "rss-hwm" if _reset_rss_peak() and _status_bytes("VmHWM") else \
@@ -128,7 +137,7 @@ class MemoryProbe:
         """
         held = tensor_bytes(*holders, touch=not self.cuda)
         if not self.cuda:
-            _trim()
+            trim_heap()
             self.baseline = rss_bytes() - held
             self.lib_baseline = library_rss_bytes()
             self.method = self.method.replace("rss", "rss-settled")

@@ -76,10 +76,8 @@ class Overlap:
                     if self.stopping:
                         return
                     version, view = self.snapshots[self._source(j)]
-                t0 = time.perf_counter()
                 with adapter_view(view):
                     batch = self.trainer.produce(j, version, cancel=lambda: self.stopping)
-                batch["produced_s"] = time.perf_counter() - t0
                 with self.cond:
                     self.ready[j] = batch
                     self.next = j + 1

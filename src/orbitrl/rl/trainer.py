@@ -275,7 +275,7 @@ class RLTrainer:
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
-        batch = dict(samples=samples, gen_tokens=gen_tokens, version=version,
+        batch = dict(samples=samples, gen_tokens=gen_tokens,
                      watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
                      timeline=list(self.engine.timeline), data_after=data_after,
                      governor=self.governor.state() if self.governor else {})
@@ -507,11 +507,7 @@ class RLTrainer:
                     self.opt.step(closure)
                 else:
                     closure()
-                if self.critic is not None:
-                    sum_grads(self.critic.parameters(), self.dist)
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
-                    self.critic_opt.step()
-                    self.critic_opt.zero_grad(set_to_none=True)
+                self._critic_step()
         self.model.eval()
         return out | self._apply(fused, list(metrics_by_mb.values()), lr)
 
@@ -523,11 +519,16 @@ class RLTrainer:
             self.opt.step(lambda: idle_backward(self.model))
         else:
             idle_backward(self.model)
-        if self.critic is not None:
-            sum_grads(self.critic.parameters(), self.dist)
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
-            self.critic_opt.step()
-            self.critic_opt.zero_grad(set_to_none=True)
+        self._critic_step()
+
+    def _critic_step(self):
+        """The value head's update after a micro-batch (its gradients summed over ranks)."""
+        if self.critic is None:
+            return
+        sum_grads(self.critic.parameters(), self.dist)
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
+        self.critic_opt.step()
+        self.critic_opt.zero_grad(set_to_none=True)
 
     def _empty_ctx(self) -> dict:
         """The training context of a rank left with no kept samples (others have some)."""
