@@ -5,46 +5,7 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("ORBITRL_TEST_THREADS", "1")))
 
-# Tiny configs per family: GQA, tied/untied, biases, q/k norm, rope scaling, sliding window.
-FAMILY_CONFIGS = {
-    "llama": dict(model_type="llama", attention_bias=False, tie_word_embeddings=False),
-    "llama3": dict(model_type="llama", tie_word_embeddings=True,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 16}),
-    "llama_bias": dict(model_type="llama", attention_bias=True, mlp_bias=True,
-                       rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "mistral": dict(model_type="mistral", sliding_window=5),
-    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
-    "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
-}
-
-
-def make_hf_config(family: str, **over):
-    from transformers import AutoConfig
-
-    kw = dict(FAMILY_CONFIGS[family])
-    mt = kw.pop("model_type")
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                rms_norm_eps=1e-6)
-    base.update(kw)
-    base.update(over)
-    return AutoConfig.for_model(mt, **base)
-
-
-def make_hf_model(family: str, seed: int = 0, **over):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = make_hf_config(family, **over)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # random norms/biases too, so a mis-mapped norm or bias cannot hide
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n or n.endswith("bias"):
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-    return model.eval()
+from hf_helpers import FAMILY_CONFIGS, make_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def _char_tokenizer():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from conftest import make_hf_model
+    from hf_helpers import make_hf_model
 
     d = tmp_path_factory.mktemp("cli_model")
     # 100 rows: AutoTokenizer picks Qwen2's class from config.json and adds a pad token

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import orbitrl
-from conftest import FAMILY_CONFIGS
+from hf_helpers import FAMILY_CONFIGS
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CONFIGS))

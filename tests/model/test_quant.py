@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import orbitrl
-from conftest import make_hf_model
+from hf_helpers import make_hf_model
 from orbitrl.errors import OrbitError
 from orbitrl.ledger import formats
 from orbitrl.model import quant

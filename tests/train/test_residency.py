@@ -6,7 +6,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.train.optim import FusedSGD
 from orbitrl.train.residency import LayerResidency
 
-from conftest import make_hf_model
+from hf_helpers import make_hf_model
 
 N_LAYERS = 6
 

@@ -30,12 +30,13 @@ def run(args) -> int:
     from orbitrl.engine import Engine, Request, SamplingParams
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.rewards import get_reward
+    from orbitrl.rewards import RewardRunner, RewardSource, get_reward
     from orbitrl.rl.evaluate import reward_fields
 
     torch.set_num_threads(1)
     path = resolve_model_path(args.model)
-    reward = get_reward(args.reward or TASK_REWARDS.get(args.task or "arith", "exact_match"))
+    name = args.reward or TASK_REWARDS.get(args.task or "arith", "exact_match")
+    reward = get_reward(name)
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
         source = args.data
@@ -54,19 +55,19 @@ def run(args) -> int:
     prompts = [tok(r[args.prompt_field], add_special_tokens=False)["input_ids"] for r in rows]
     outs = engine.generate([Request(prompt_ids=p) for p in prompts],
                            SamplingParams(n=1, max_tokens=args.max_tokens, temperature=0.0))
-    records, total = [], 0.0
-    for r, o in zip(rows, outs):
-        text = o.samples[0].text if o.error is None else ""
-        try:
-            s = float(reward(r[args.prompt_field], text,
-                             **reward_fields(r, args.prompt_field, args.answer_field)))
-        except Exception as e:  # a failing verifier is an error for that row, scored 0
-            s = 0.0
-            text += f"  [reward error: {e}]"
-        total += s
-        records.append({"prompt": r[args.prompt_field], "completion": text,
-                        "answer": r.get(args.answer_field), "score": s,
-                        **({"error": o.error} if o.error else {})})
+    texts = [o.samples[0].text if o.error is None else "" for o in outs]
+    # one batch through the runner (a batch reward such as ``code`` scores every row in one
+    # sandbox pool); a failing verifier is an error for that row, scored 0
+    res = RewardRunner([RewardSource(reward, name=name)], timeout_s=None)(
+        [r[args.prompt_field] for r in rows], texts,
+        [reward_fields(r, args.prompt_field, args.answer_field) for r in rows])
+    failed = {e.index: e.reason for e in res.errors}
+    records = [{"prompt": r[args.prompt_field],
+                "completion": t + (f"  [reward error: {failed[i]}]" if i in failed else ""),
+                "answer": r.get(args.answer_field), "score": s,
+                **({"error": o.error} if o.error else {})}
+               for i, (r, t, s, o) in enumerate(zip(rows, texts, res.rewards, outs))]
+    total = sum(res.rewards)
     acc = total / max(1, len(rows))
     print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
           + (f" + adapter {args.adapter}" if args.adapter else ""))

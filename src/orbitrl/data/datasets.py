@@ -8,9 +8,9 @@ from pathlib import Path
 
 from orbitrl.errors import OrbitError
 
-TASKS = ("arith", "code")
 # the reward each built-in task is scored with when none is given (orbitrl eval)
 TASK_REWARDS = {"arith": "exact_match", "code": "code"}
+TASKS = tuple(TASK_REWARDS)
 
 
 def task_rows(name: str, split: str, limit: int | None = None) -> list[dict]:

@@ -18,13 +18,8 @@ from pathlib import Path
 
 import torch
 
+from orbitrl.dist.env import is_dtensor
 from orbitrl.errors import OrbitError
-
-
-def is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _contiguous_stride(shape) -> tuple:

@@ -96,8 +96,7 @@ def _idle_ids(model) -> torch.Tensor:
 def idle_forward(model: nn.Module) -> None:
     """One forward over a single token: this rank's share of a collective forward whose
     own work has run out (its gathers match the other ranks')."""
-    h = model(_idle_ids(model), return_hidden=True)
-    model.lm_head(h)
+    model(_idle_ids(model), return_hidden=True)  # (the head is in the root: no collective)
 
 
 def idle_backward(model: nn.Module) -> torch.Tensor:
@@ -123,10 +122,11 @@ def lockstep(model: nn.Module, dist: Dist):
         yield
         return
     state = {"idle": False}
+    one = torch.ones(1, dtype=torch.float64, device=dist.comm_device)
 
     def pre(_mod, _args):
-        if not state["idle"]:
-            dist.all_sum(1.0)
+        if not state["idle"]:  # a tensor, not a number: no host sync per decode step
+            dist.all_sum(one.fill_(1.0))
 
     # prepend: run before FSDP's own pre-forward (the root's all-gather)
     handle = model.register_forward_pre_hook(pre, prepend=True)
@@ -162,12 +162,11 @@ def rollout_weights(model: nn.Module, dist: Dist, mode: str = "sharded",
     mods = fsdp_modules(model)
     for m in mods:
         m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
     try:
-        yield
+        with gathered(model):
+            yield
     finally:
         for m in mods:
-            m.reshard()
             m.set_reshard_after_forward(reshard_after_forward and m is not model,
                                         recurse=False)
 
@@ -194,9 +193,3 @@ def sum_grads(params, dist: Dist) -> None:
             p.grad = torch.zeros_like(p)
         dist.all_sum(p.grad)
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t

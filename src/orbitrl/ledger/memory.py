@@ -334,8 +334,7 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     """
     t, r = cfg.train, cfg.rollout
     compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
-    opt = t.optimizer if t.optimizer != "auto" else ("adamw" if t.mode == "adapter" else
-                                                     "adalomo")
+    opt = t.optimizer if t.optimizer != "auto" else "adalomo"  # (read in full mode only)
     if t.mode == "adapter":
         base = {"fp32": compute, "bf16": "bf16"}.get(cfg.model.base_dtype, cfg.model.base_dtype)
         strat = Strategy("adapter", base_dtype=base, adapter_rank=cfg.lora.rank,
@@ -380,7 +379,7 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
                               base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",
                               prefetch_depth=cfg.dist.prefetch_layers,
                               overlap=device == "cuda",
-                              update_copies=update_copies(opt) if t.mode == "full" else 2,
+                              copies=update_copies(opt),
                               rollout_gathered=cfg.dist.rollout_weights == "gathered")
     if device != "cuda":
         for ph in terms.values():
@@ -435,7 +434,7 @@ def update_copies(optimizer: str) -> int:
 
 def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
                           dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1,
-                          overlap: bool = False, update_copies: int = 2,
+                          overlap: bool = False, copies: int = 2,
                           rollout_gathered: bool = False) -> dict:
     """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
     layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
@@ -459,7 +458,7 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
       moment, ``prefetch_depth`` gathered layers plus the two gradient copies, is counted;
       with ``overlap`` (NCCL streams) all of it is.
     - stateless full mode, ``actor:update_workspace``: the fused update's temporaries
-      (``update_copies``) on this rank's shard of the largest tensor.
+      (``copies``) on this rank's shard of the largest tensor.
     - ``rollout_gathered`` (``dist.rollout_weights: gathered``): generation holds every
       sharded parameter whole, gathered one layer at a time at the phase's start.
     - AdamW moments and persistent gradients: split over the ranks.
@@ -507,5 +506,5 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
                         - train["comm_buffers:gather"] - staging)
         train["actor:layer_grad"] = grads
         train["actor:update_workspace"] = int(
-            update_copies * math.ceil(largest_tensor_params(shape) / n) * gb)
+            copies * math.ceil(largest_tensor_params(shape) / n) * gb)
     return terms

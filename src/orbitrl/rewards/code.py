@@ -205,23 +205,23 @@ class CodeReward:
                 plan.append((i, t))
         results = self.sandbox.run_many(jobs) if jobs else []
         counts = {k: 0 for k in OUTCOMES.values()}
-        per_sample: dict[int, list[dict]] = {}
+        details: list[list[dict]] = [[] for _ in range(n)]
         for (i, t), res in zip(plan, results):
             status, reason = judge(t, res)
             counts[OUTCOMES[status]] += 1
-            per_sample.setdefault(i, []).append({"status": status, "reason": reason})
-        bad = {e[0] for e in errors}
-        for i, outcomes in per_sample.items():
+            details[i].append({"status": status, "reason": reason})
+        for i, outcomes in enumerate(details):  # (a sample with an error above has none)
+            if not outcomes:
+                continue
             broken = [o for o in outcomes if o["status"] == "sandbox_error"]
             if broken:
                 errors.append((i, "sandbox", broken[0]["reason"][:200]))
-            elif i not in bad:
+            else:
                 scores[i] = sum(o["status"] == "ok" for o in outcomes) / len(outcomes)
         metrics = {k: float(v) for k, v in counts.items()}
         metrics["tests"] = float(len(results))
         metrics["pass_rate"] = counts["passed"] / len(results) if results else 0.0
-        return BatchScores(scores, sorted(errors), [per_sample.get(i, []) for i in range(n)],
-                           metrics)
+        return BatchScores(scores, sorted(errors), details, metrics)
 
 
 register("code")(CodeReward())

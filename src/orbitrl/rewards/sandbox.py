@@ -178,7 +178,6 @@ class Sandbox:
                 if self.as_root:
                     for p in (workdir, os.path.join(workdir, "main.py")):
                         os.chown(p, uid, uid)
-                os.chmod(workdir, 0o700)
                 prefix = _unshare_prefix(self.as_root) if backend == "unshare" else []
                 proc = subprocess.Popen(prefix + harness + ["1" if prefix else "0"],
                                         stdin=stdin, stdout=subprocess.PIPE,

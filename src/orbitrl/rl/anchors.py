@@ -107,10 +107,10 @@ def _requantize(reference: Decoder, policy: Decoder):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded (DTensor) parameter: a collective every rank joins
     (ranks refresh their replicated reference together, on the same reduced KL)."""
-    from torch.distributed.tensor import DTensor
+    from orbitrl.dist.env import is_dtensor
 
     t = t.detach()
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def _cpu_linear(lin):

@@ -42,20 +42,18 @@ def _cpu(obj):
     return obj
 
 
-def capture(tr, extra: dict) -> dict:
-    """Everything needed to continue the run bit for bit, copied to host memory."""
+def scalar_state(tr, extra: dict) -> dict:
+    """What every checkpoint format holds besides the policy's tensors, optimizer and
+    anchors: step counters, data position, guard, KL controller, RNG states, the critic."""
     # overlapped, the producer has drawn prompts ahead: keep the position as of the steps
-    # trained, and the adapter snapshots the next rollouts sample from
+    # trained
     data_pos, order = tr._data_trained or (tr.data_pos, tr.order)
     state = {
         "step_idx": tr.step_idx,
         "iteration": tr.iteration,
         "data_pos": data_pos,
         "order": list(order),
-        "trainable": [p.detach() for p in tr.policy.trainable],
-        "optimizer": tr.opt.state_dict(),
         "fused_applied": tr._fused_applied,
-        "anchors": tr.anchors.state_dict(),
         "guard": tr.guard.state_dict(),
         "kl_coef": tr.kl_ctl.value,
         "rng_python": random.getstate(),
@@ -66,26 +64,16 @@ def capture(tr, extra: dict) -> dict:
     if tr.critic is not None:
         state["critic"] = tr.critic.state_dict()
         state["critic_opt"] = tr.critic_opt.state_dict()
-    if tr.overlap is not None:
-        from orbitrl.model.lora import lora_modules
-
-        mods = list(lora_modules(tr.model).values())
-        state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
-                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
-    return _cpu(state)
+    return state
 
 
-def restore(tr, state: dict):
-    with torch.no_grad():
-        for p, s in zip(tr.policy.trainable, state["trainable"]):
-            p.copy_(s.to(p.device))
-    tr.opt.load_state_dict(state["optimizer"])
+def restore_scalars(tr, state: dict):
+    """The inverse of :func:`scalar_state`."""
     tr._fused_applied = state["fused_applied"]
     tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
     tr.iteration = state["iteration"]
-    tr.anchors.load_state_dict(state["anchors"])
     tr.guard.load_state_dict(state["guard"])
     tr.kl_ctl.value = state["kl_coef"]
     random.setstate(state["rng_python"])
@@ -96,6 +84,32 @@ def restore(tr, state: dict):
     if tr.critic is not None:
         tr.critic.load_state_dict(state["critic"])
         tr.critic_opt.load_state_dict(state["critic_opt"])
+
+
+def capture(tr, extra: dict) -> dict:
+    """Everything needed to continue the run bit for bit, copied to host memory."""
+    state = {
+        **scalar_state(tr, extra),
+        "trainable": [p.detach() for p in tr.policy.trainable],
+        "optimizer": tr.opt.state_dict(),
+        "anchors": tr.anchors.state_dict(),
+    }
+    if tr.overlap is not None:  # the adapter snapshots the next rollouts sample from
+        from orbitrl.model.lora import lora_modules
+
+        mods = list(lora_modules(tr.model).values())
+        state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
+                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
+    return _cpu(state)
+
+
+def restore(tr, state: dict):
+    with torch.no_grad():
+        for p, s in zip(tr.policy.trainable, state["trainable"]):
+            p.copy_(s.to(p.device))
+    tr.opt.load_state_dict(state["optimizer"])
+    restore_scalars(tr, state)
+    tr.anchors.load_state_dict(state["anchors"])
     if tr.snapshot is not None:
         tr.snapshot.save()
     if state.get("overlap_snapshots"):

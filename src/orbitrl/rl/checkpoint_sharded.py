@@ -9,13 +9,12 @@ a one-process ``state.pt`` restores into shards by keeping each rank's rows.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
 
 from orbitrl.errors import OrbitError
-from orbitrl.rl.checkpoint import _cpu
+from orbitrl.rl.checkpoint import _cpu, restore_scalars, scalar_state
 
 
 def _trainable_names(tr) -> list[str]:
@@ -59,36 +58,15 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     osd = tr.opt.state_dict()
     anchors = tr.anchors.state_dict()
     meta = {
+        **_cpu(scalar_state(tr, extra)),
         "format": "sharded", "world": tr.dist.world,
-        "step_idx": tr.step_idx, "iteration": tr.iteration, "data_pos": tr.data_pos,
-        "order": list(tr.order), "fused_applied": tr._fused_applied,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in osd["param_groups"]],
         "fused": osd.get("fused"), "optim_scalars": scalars,
         "anchors": {k: v for k, v in anchors.items() if k != "snapshot"},
         "anchor_count": None if tr.anchors.snapshot is None else len(tr.anchors.snapshot),
-        "guard": tr.guard.state_dict(), "kl_coef": tr.kl_ctl.value,
-        "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(),
-        "rng_engine": tr.engine.rng.get_state(), "extra": extra,
-    }
-    if tr.critic is not None:  # replicated, identical on every rank
-        meta["critic"] = _cpu(tr.critic.state_dict())
-        meta["critic_opt"] = _cpu(tr.critic_opt.state_dict())
+    }  # (the critic in it is replicated, identical on every rank)
     return tensors, meta
-
-
-def _restore_common(tr, state: dict):
-    tr._fused_applied = state["fused_applied"]
-    tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
-    tr.iteration = state["iteration"]
-    tr.guard.load_state_dict(state["guard"])
-    tr.kl_ctl.value = state["kl_coef"]
-    random.setstate(state["rng_python"])
-    torch.set_rng_state(state["rng_torch"])
-    tr.engine.rng.set_state(state["rng_engine"])
-    if tr.critic is not None:
-        tr.critic.load_state_dict(state["critic"])
-        tr.critic_opt.load_state_dict(state["critic_opt"])
 
 
 def restore_whole_into_shards(tr, state: dict):
@@ -114,7 +92,7 @@ def restore_whole_into_shards(tr, state: dict):
         anchors["snapshot"] = [shard_like(s, p) for s, p in
                                zip(anchors["snapshot"], adapter_parameters(tr.model))]
     tr.anchors.load_state_dict(anchors)
-    _restore_common(tr, state)
+    restore_scalars(tr, state)
     if tr.snapshot is not None:
         tr.snapshot.save()
 
@@ -169,7 +147,7 @@ def restore_sharded(tr, path: Path) -> dict:
     anchors["snapshot"] = None if meta["anchor_count"] is None else \
         [targets[f"anchor/{i}"] for i in range(meta["anchor_count"])]
     tr.anchors.load_state_dict(anchors)
-    _restore_common(tr, meta)
+    restore_scalars(tr, meta)
     if tr.snapshot is not None:
         tr.snapshot.save()
     return meta

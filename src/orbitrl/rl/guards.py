@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from orbitrl.dist.env import local
+
 
 class GradNormGuard:
     def __init__(self, factor: float = 5.0, warmup: int = 5, beta: float = 0.9):
@@ -71,18 +73,12 @@ def layer_grad_norms(named_params, reduce=None) -> dict[str, float]:
             continue
         parts = name.split(".")
         key = ".".join(parts[:3]) if name.startswith("model.layers.") else parts[0]
-        acc[key] = acc.get(key, 0.0) + float(_local(p.grad).detach().float().pow(2).sum())
+        acc[key] = acc.get(key, 0.0) + float(local(p.grad).detach().float().pow(2).sum())
     if reduce is not None and acc:
         keys = sorted(acc)
         vec = reduce(torch.tensor([acc[k] for k in keys], dtype=torch.float64))
         acc = dict(zip(keys, vec.tolist()))
     return {k: math.sqrt(v) for k, v in acc.items()}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Snapshot:
@@ -101,9 +97,9 @@ class Snapshot:
         """Norm of the change since the last save, absolute and relative to the weights
         (``reduce``: an in-place sum over ranks when the tensors are shards)."""
         sq = torch.tensor([
-            sum(float((_local(p).detach() - _local(s)).float().pow(2).sum())
+            sum(float((local(p).detach() - local(s)).float().pow(2).sum())
                 for s, p in zip(self.saved, self.params)),
-            sum(float(_local(s).float().pow(2).sum()) for s in self.saved)],
+            sum(float(local(s).float().pow(2).sum()) for s in self.saved)],
             dtype=torch.float64)
         if reduce is not None:
             sq = reduce(sq)

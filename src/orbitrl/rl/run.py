@@ -150,12 +150,12 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
         "skipped_spike": trainer.guard.skipped_spike,
         "skipped_nonfinite": trainer.guard.skipped_nonfinite,
         "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": latest is not None,
-        **trainer.mem.summary(),
+        **(mem := trainer.mem.summary()),
         **extra_acc,
     }
     if dist.enabled:
         summary["world_size"] = dist.world
-        peaks = dist.gather_objects(trainer.mem.summary())
+        peaks = dist.gather_objects(mem)
         summary["measured_peak_bytes_by_rank"] = [p["measured_peak_bytes"] for p in peaks]
         for ph in ("rollout", "score", "train"):
             summary[f"measured_{ph}_bytes_by_rank"] = [p.get(f"measured_{ph}_bytes")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from orbitrl.config import Config
+from orbitrl.dist.batch import on_global_batch
 from orbitrl.dist.env import Dist
 from orbitrl.dist.fsdp import idle_backward, lockstep, rollout_weights, sum_grads
 from orbitrl.engine import Engine, SamplingParams
@@ -177,7 +177,7 @@ class RLTrainer:
 
     def next_prompts(self) -> list[dict]:
         """This rank's share of the step's prompts (every rank advances the data position
-        by the whole global batch); ``self.share_start`` is the share's global index."""
+        by the whole global batch; ``dist.share`` gives the share's global index)."""
         P = self.cfg.rollout.prompts_per_step
         rows = []
         for _ in range(P):
@@ -186,7 +186,6 @@ class RLTrainer:
             rows.append(self.train_rows[self.order[self.data_pos % len(self.order)]])
             self.data_pos += 1
         a, b = self.dist.share(P)
-        self.share_start = a
         return rows[a:b]
 
     def _rollout_weights(self):
@@ -271,7 +270,7 @@ class RLTrainer:
                 seed = cfg.train.seed * 7919 + (j if cancel is not None else version)
                 samples = rollout(self.engine, [self.encode(x[d.prompt_field]) for x in rows],
                                   rows, params, version, seed, deadline_s=r.timeout_s or None,
-                                  first=self.share_start)
+                                  first=self.dist.share(r.prompts_per_step)[0])
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
@@ -306,7 +305,7 @@ class RLTrainer:
 
     def _consume(self, batch: dict, timer, t_step: float, waited: float | None = None) -> dict:
         """Rewards -> advantages -> score -> train on one produced batch; the metrics row."""
-        cfg, algo, r = self.cfg, self.cfg.algo, self.cfg.rollout
+        algo, r = self.cfg.algo, self.cfg.rollout
         samples, gen_tokens = batch["samples"], batch["gen_tokens"]
         prod = batch["seconds"]  # rollout/reward seconds (the producer's, when overlapped)
         extra = {"watchdog": batch["watchdog"], **batch["governor"]}
@@ -393,11 +392,14 @@ class RLTrainer:
         cfg, algo = self.cfg, self.cfg.algo
         T = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         idx = [i for i in range(len(samples)) if keep[i]]
+        # batch-wide statistics (PPO's and REINFORCE++'s whitening, the KL penalty's mean)
+        # are over every rank's rows; GRPO / RLOO groups stay whole on one rank
+        global_stats = self.critic is not None or algo.name == "reinforce++" or algo.kl_in_reward
         if not idx:
             if self.dist.enabled:  # nothing kept here: join the others' collectives
                 with lockstep(self.model, self.dist):
                     pass
-                if self.critic is not None or algo.name == "reinforce++" or algo.kl_in_reward:
+                if global_stats:
                     from orbitrl.dist.batch import join_empty
 
                     join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
@@ -434,23 +436,14 @@ class RLTrainer:
         values = returns = None
         if self.critic is not None:
             values = _cat_padded(old_v, full.mask.shape)
-            if self.dist.enabled:  # whitening over every rank's rows
-                from orbitrl.dist.batch import on_global_batch
-
-                adv, returns = on_global_batch(self.dist, lambda r_, v_, m_, k_: ppo_advantages(
-                    algo, r_, v_, m_, k_, kl_coef), rewards[idx].to(self.device), values,
-                    full.mask, kl_full)
-            else:
-                adv, returns = ppo_advantages(algo, rewards[idx].to(self.device), values,
-                                              full.mask, kl_full, kl_coef)
-        elif self.dist.enabled and (algo.name == "reinforce++" or algo.kl_in_reward):
-            # batch-wide statistics (whitening, the KL penalty's mean) over every rank's rows
-            from orbitrl.dist.batch import on_global_batch
-
+            adv, returns = on_global_batch(self.dist, lambda r_, v_, m_, k_: ppo_advantages(
+                algo, r_, v_, m_, k_, kl_coef), rewards[idx].to(self.device), values,
+                full.mask, kl_full)
+        elif global_stats:
             adv = on_global_batch(self.dist, lambda r_, m_, k_: compute_advantages(
                 algo, r_, cfg.rollout.n, m_, k_, kl_coef),
                 rewards[idx].to(self.device), full.mask, kl_full)
-        else:  # GRPO / RLOO: group statistics, and whole groups stay on one rank
+        else:
             adv = compute_advantages(algo, rewards[idx].to(self.device), cfg.rollout.n,
                                      full.mask, kl_full, kl_coef)
         out = {"logprob_mismatch_max": float(mm.max()),

@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from orbitrl.dist.env import is_dtensor
 from orbitrl.errors import OrbitError
 
 
@@ -154,7 +155,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if g.is_sparse:
             raise OrbitError("fused optimizers do not support sparse gradients")
         phase = self._phase
-        sharded = _is_dtensor(p)
+        sharded = is_dtensor(p)
         if sharded:  # this rank's shard of the parameter and of its summed gradient
             p, g = p.to_local(), g.to_local()
         if phase == "idle":
@@ -300,11 +301,6 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _update(self, p, g, group, coef, lr, **shard):  # pragma: no cover - abstract
         raise NotImplementedError
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
 
 
 def _finite(loss) -> bool:
