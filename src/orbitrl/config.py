@@ -20,6 +20,14 @@ from orbitrl.errors import OrbitError
 BUILTIN_MODEL = "builtin:tiny-arith"
 
 
+def _require(section, name: str, keys, ok, what: str):
+    """One-line error for the first of ``keys`` whose value fails ``ok``."""
+    for key in keys:
+        if not ok(getattr(section, key)):
+            raise OrbitError(f"config key '{name}.{key}' must be {what} got "
+                             f"{getattr(section, key)}")
+
+
 @dataclass
 class ModelSection:
     path: str = BUILTIN_MODEL  # HF model directory, or the built-in tiny model
@@ -78,13 +86,9 @@ class RolloutSection:
     queue_size: int = 1  # overlap: rollouts generated ahead of training at most (staleness)
 
     def __post_init__(self):
-        for key in ("kv_budget_mb", "min_available_mb"):
-            if getattr(self, key) < 0:
-                raise OrbitError(f"config key 'rollout.{key}' must be >= 0, got "
-                                 f"{getattr(self, key)}")
-        if self.queue_size < 1:
-            raise OrbitError(f"config key 'rollout.queue_size' must be >= 1, got "
-                             f"{self.queue_size}")
+        _require(self, "rollout", ("kv_budget_mb", "min_available_mb"), lambda v: v >= 0,
+                 ">= 0,")
+        _require(self, "rollout", ("queue_size",), lambda v: v >= 1, ">= 1,")
 
 
 @dataclass
@@ -145,14 +149,10 @@ class SandboxSection:
     uid_base: int = 61000  # run as uid_base + worker slot when started as root
 
     def __post_init__(self):
-        for key in ("time_limit_s", "deadline_s"):
-            if not getattr(self, key) > 0:
-                raise OrbitError(f"config key 'reward.sandbox.{key}' must be positive, "
-                                 f"got {getattr(self, key)}")
-        for key in ("memory_mb", "output_kb", "file_mb", "open_files", "max_procs"):
-            if getattr(self, key) < 1:
-                raise OrbitError(f"config key 'reward.sandbox.{key}' must be at least 1, "
-                                 f"got {getattr(self, key)}")
+        _require(self, "reward.sandbox", ("time_limit_s", "deadline_s"), lambda v: v > 0,
+                 "positive,")
+        _require(self, "reward.sandbox", ("memory_mb", "output_kb", "file_mb", "open_files",
+                                          "max_procs"), lambda v: v >= 1, "at least 1,")
         if self.workers < 0:
             raise OrbitError(f"config key 'reward.sandbox.workers' must be 0 (one per core) "
                              f"or positive, got {self.workers}")
