@@ -2,7 +2,9 @@
 a margin, leaves the host unharmed, and the next program runs normally. Run on every
 backend that works here (bwrap, and the unshare fallback forced by config)."""
 
+import contextlib
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -28,9 +30,7 @@ def planted():
     os.chmod(path, 0o600)
     os.chmod(d, 0o755)
     yield d, path
-    for name in os.listdir(d):
-        os.unlink(os.path.join(d, name))
-    os.rmdir(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +161,26 @@ def test_fork_bomb_is_contained(backend):
     assert _gone(uids)
 
 
-def test_bwrap_hides_world_readable_files(tmp_path):
-    """bwrap shows only the interpreter and system libraries: a world-readable file
-    elsewhere does not exist inside."""
-    box = sandbox("bwrap")
+@contextlib.contextmanager
+def world_readable(text: str):
+    """A file anyone may read, in a directory anyone may enter; removed afterwards."""
     d = tempfile.mkdtemp(prefix="orbitrl-open-")
     try:
         os.chmod(d, 0o755)
         path = os.path.join(d, "open.txt")
         with open(path, "w") as f:
-            f.write(SECRET)
+            f.write(text)
         os.chmod(path, 0o644)
+        yield path
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_bwrap_hides_world_readable_files():
+    """bwrap shows only the interpreter and system libraries: a world-readable file
+    elsewhere does not exist inside."""
+    box = sandbox("bwrap")
+    with world_readable(SECRET) as path:
         res = box.run(Job(f"import os\nprint(os.path.exists({path!r}), "
                           f"os.path.exists({os.getcwd()!r}), sorted(os.listdir('/')))"))
         assert res.status == "ok"
@@ -180,24 +189,11 @@ def test_bwrap_hides_world_readable_files(tmp_path):
         res = box.run(Job("open('/tmp/x', 'w').write('y')\nprint(open('/tmp/x').read())"))
         assert res.stdout == b"y\n"  # a private /tmp works ...
         assert not os.path.exists("/tmp/x") or open("/tmp/x").read() != "y"  # ... privately
-    finally:
-        for name in os.listdir(d):
-            os.unlink(os.path.join(d, name))
-        os.rmdir(d)
 
 
 def test_fallback_leaves_world_readable_files_readable():
     """The documented gap of the unshare fallback: the host file system is visible, so a
     world-readable file can be read (permissions, not namespaces, protect files there)."""
     box = sandbox("unshare")
-    d = tempfile.mkdtemp(prefix="orbitrl-open-")
-    try:
-        os.chmod(d, 0o755)
-        path = os.path.join(d, "open.txt")
-        with open(path, "w") as f:
-            f.write("visible")
-        os.chmod(path, 0o644)
+    with world_readable("visible") as path:
         assert box.run(Job(f"print(open({path!r}).read())")).stdout == b"visible\n"
-    finally:
-        os.unlink(path)
-        os.rmdir(d)
