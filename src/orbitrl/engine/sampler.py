@@ -31,6 +31,31 @@ def filter_logits(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     return torch.full_like(x, float("-inf")).scatter(-1, order, srt.masked_fill(remove, float("-inf")))
 
 
+BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _invert_cdf(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index where the running sum of the non-negative weights ``w``
+    [B, V] reaches ``target`` [B] (clamped into (0, total], so a zero-weight index is never
+    returned): an inverse CDF in two levels, block sums then one block's running sum, which
+    reads ``w`` once instead of writing a [B, V] cumsum (4 ms at 128 x 32k on one core)."""
+    b, v = w.shape
+    nb = v // BLOCK
+    sums = w[:, :nb * BLOCK].view(b, nb, BLOCK).sum(-1)
+    if v % BLOCK:
+        sums = torch.cat([sums, w[:, nb * BLOCK:].sum(-1, keepdim=True)], 1)
+    cdf = sums.cumsum(-1)
+    target = torch.minimum(target.clamp_min(1e-30), cdf[:, -1])
+    blk = torch.searchsorted(cdf, target[:, None])[:, 0].clamp_max(cdf.shape[1] - 1)
+    before = torch.where(blk > 0, cdf.gather(1, (blk - 1).clamp_min(0)[:, None])[:, 0], 0.0)
+    cols = blk[:, None] * BLOCK + torch.arange(BLOCK, device=w.device)
+    inner = w.gather(1, cols.clamp_max(v - 1)).masked_fill(cols >= v, 0.0).cumsum(-1)
+    # rounding may leave the block's own sum a hair under cdf[blk] - cdf[blk - 1]
+    rest = torch.minimum((target - before).clamp_min(1e-30), inner[:, -1])
+    off = torch.searchsorted(inner, rest[:, None])[:, 0].clamp_max(BLOCK - 1)
+    return blk * BLOCK + off
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], default: torch.Generator | None = None):
     """Draw one token per row.
@@ -41,31 +66,49 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     Returns:
         tokens [B] long, logprobs [B] under the sampling distribution (0 for greedy rows),
         raw logprobs [B] (temperature 1, unfiltered).
+
+    The raw distribution is never materialised as logprobs: one pass takes ``exp(x - max)``
+    and its row sums (the log-normaliser); rows that sample from it (temperature 1, no
+    filter: the RL default) invert its CDF directly; other rows build their filtered,
+    tempered distribution. A token's raw logprob is its logit minus the log-normaliser.
     """
     b = logits.shape[0]
-    raw = torch.log_softmax(logits, -1)
+    dev = logits.device
+    mx = logits.amax(-1, keepdim=True)
+    e = (logits - mx).exp_()
+    total = e.sum(-1)
+    lse = mx[:, 0] + total.log()
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     tokens = (logits.argmax(-1) if len(rows) < b
-              else torch.empty(b, dtype=torch.long, device=logits.device))
-    lp = torch.zeros(b, dtype=torch.float32, device=logits.device)
+              else torch.empty(b, dtype=torch.long, device=dev))
+    lp = torch.zeros(b, dtype=torch.float32, device=dev)
     if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        ks, ps = [params[i].top_k for i in rows], [params[i].top_p for i in rows]
-        filtered = any(k > 0 for k in ks) or any(p < 1 for p in ps)
-        if not filtered and all(params[i].temperature == 1 for i in rows):
-            lps = raw if len(rows) == b else raw[idx]  # sampling distribution = raw one
-        else:
-            x = logits[idx] / temps[:, None]
-            lps = torch.log_softmax(filter_logits(x, ks, ps) if filtered else x, -1)
         # inverse CDF: one uniform per row, from the row's own generator when it has one
         u = torch.rand(len(rows), generator=default)
         for j, i in enumerate(rows):
             if generators[i] is not None:
                 u[j] = torch.rand(1, generator=generators[i])[0]
-        cdf = lps.exp().cumsum(-1)
-        u = (u.to(cdf.device) * cdf[:, -1]).clamp_min(1e-30)
-        tok = torch.searchsorted(cdf, u[:, None])[:, 0].clamp_max(cdf.shape[1] - 1)
-        tokens[idx] = tok
-        lp[idx] = lps.gather(1, tok[:, None])[:, 0]
-    return tokens, lp, raw.gather(1, tokens[:, None])[:, 0]
+        u = u.to(dev)
+        plain = [j for j, i in enumerate(rows) if params[i].temperature == 1
+                 and not 0 < params[i].top_k < logits.shape[1] and params[i].top_p >= 1]
+        other = [j for j in range(len(rows)) if j not in set(plain)]
+        if plain:  # the sampling distribution is the raw one
+            sel = torch.tensor([rows[j] for j in plain], device=dev)
+            w = e if len(plain) == b else e[sel]
+            tok = _invert_cdf(w, u[plain] * total[sel])
+            tokens[sel] = tok
+            lp[sel] = logits[sel, tok] - lse[sel]
+        if other:
+            sel = torch.tensor([rows[j] for j in other], device=dev)
+            temps = torch.tensor([params[rows[j]].temperature for j in other], device=dev)
+            ks = [params[rows[j]].top_k for j in other]
+            ps = [params[rows[j]].top_p for j in other]
+            x = logits[sel] / temps[:, None]
+            if any(k > 0 for k in ks) or any(p < 1 for p in ps):
+                x = filter_logits(x, ks, ps)
+            lps = torch.log_softmax(x, -1)
+            probs = lps.exp()
+            tok = _invert_cdf(probs, u[other] * probs.sum(-1))
+            tokens[sel] = tok
+            lp[sel] = lps.gather(1, tok[:, None])[:, 0]
+    return tokens, lp, logits.gather(1, tokens[:, None])[:, 0] - lse
