@@ -16,12 +16,23 @@ Memory: each system runs in its own fresh process; a thread samples the process 
 (including the continuous-batching manager's start-up, where its cache is allocated)
 minus the RSS just before it, after the model is loaded and warmed up.
 
+Workloads: ``--prompts 16,4`` (default) runs every system on 16 prompts x 8 (128 rollouts,
+a common GRPO step) and then on 4 x 8. Both have the same cap and length distribution.
+
+GEMM floor: the seconds that the model's weight matmuls alone take on this workload. That
+is, for every decode step, the projections and the head at that step's batch (the
+sequences still running; each sequence stopped at its drawn length), measured here with
+the model's own weights, taking the faster of the two weight layouts. Prefill, attention,
+sampling and every other op are left out. No implementation that does these matmuls in
+fp32 on these cores can beat it. Reading "x% of the floor" next to each system says how
+much of its time is spent outside the matmuls.
+
 Roofline: bytes of weights read per decode step (every parameter once; the embedding table
 counted once, as the tied lm_head) divided by this machine's copy bandwidth (measured here,
 2 x bytes / time of a 256 MiB tensor copy) is the floor of a decode step's time; we report
 that floor / measured step time, at the workload's batch and at batch 1.
 
-    python benchmarks/bench_engine.py            # a few minutes on 2 busy cores
+    python benchmarks/bench_engine.py            # about 5 minutes on 2 cores
     python benchmarks/bench_engine.py --quick    # smaller, for a smoke test
 """
 
@@ -113,17 +124,6 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
     Engine(model, **kw).generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up
     with PeakRSS() as mem:
         eng = Engine(model, **kw)
-        steps = []
-        if trace:  # time the pure-decode steps, for the roofline
-            step = eng.step
-
-            def timed():
-                b = len(eng.scheduler.running)
-                t = time.perf_counter()
-                r = step()
-                steps.append((b, time.perf_counter() - t))
-                return r
-            eng.step = timed
         t0 = time.perf_counter()
         outs = eng.generate(reqs, stop_fn=stop)
         dt = time.perf_counter() - t0
@@ -131,20 +131,14 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
     s = eng.summary()
     raw = [s_.raw_logprobs for o in outs for s_ in o.samples]
     ids = [s_.token_ids for o in outs for s_ in o.samples]
-    single = None
-    if trace:  # batch-1 decode steps
+    single, steps = None, []
+    if trace:  # pure decode steps (one token per sequence) at the widest batch, and batch 1
+        dec = [(n, t) for n, k, t in eng.timeline if n == k]
+        widest = max(n for n, _ in dec)
+        steps = [(n, t) for n, t in dec if n == widest]
         e1 = Engine(model, kv_budget_bytes=64 << 20)
-        st1, step1 = [], e1.step
-
-        def timed1():
-            t = time.perf_counter()
-            r = step1()
-            st1.append(time.perf_counter() - t)
-            return r
-        e1.step = timed1
         e1.generate([prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True, seed=0))
-        single = statistics.median(st1[2:])
-        steps = [(b, t) for b, t in steps[1:] if b == len(flat)]  # full-batch decode steps
+        single = statistics.median(t for n, k, t in e1.timeline[2:])
     return dict(tokens=toks, seconds=dt, mem=mem.growth, kv_peak=s["kv_bytes_peak"],
                 preempt=s["preemptions"], raw=raw, ids=ids, steps=steps, single=single,
                 params=model.config.num_params, cow=s["cow"], hits=s["prefix_hits"])
@@ -200,6 +194,41 @@ def run_hf_batch(model_dir, prompts, lengths, cap):
     return dict(tokens=toks, seconds=dt, mem=mem.growth)
 
 
+def gemm_floor(model_dir, lengths, cap):
+    """Seconds of the weight matmuls alone over the workload's decode steps (see above)."""
+    import torch.nn.functional as F
+
+    import orbitrl
+
+    model = orbitrl.load_model(model_dir)
+    mats = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    mats.append((model.lm_head.weight.detach(), None))
+    flipped = [(w.t().contiguous(), b) for w, b in mats]
+    flat = [x for row in lengths for x in row]
+
+    def pass_(m, transposed):
+        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w, _ in mats}}
+        t = time.perf_counter()
+        for (w, b), (wt, _) in zip(mats, flipped):
+            x = xs[w.shape[1]]
+            if transposed:
+                y = x @ wt
+                if b is not None:
+                    y += b
+            else:
+                F.linear(x, w, b)
+        return time.perf_counter() - t
+
+    cost = {}
+    for m in sorted({sum(1 for L in flat if L > s) for s in range(cap)} - {0} | {1}):
+        cost[m] = min(min(pass_(m, tr) for _ in range(3)) for tr in (False, True))
+    return dict(seconds=sum(cost[sum(1 for L in flat if L > s)] for s in range(cap)
+                            if any(L > s for L in flat)),
+                batch1=cost[1])
+
+
 def _child(fn, args, q):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
@@ -232,38 +261,20 @@ def _timed(f):
     return time.perf_counter() - t
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--cap", type=int, default=128)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
-                         "continuous-batching manager's thread gets it). Default 1: on 2 "
-                         "shared cores every 2-thread GEMM with M > 1 paid a ~23 ms OpenMP "
-                         "wake-up, for ours and transformers' alike")
-    a = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # inherited by the spawned children
-    if a.quick:
-        a.prompts, a.cap = 2, 32
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    d = tempfile.mkdtemp(prefix="bench_engine_")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **MODEL)).save_pretrained(d)
-    prompts, lengths = make_workload(a.prompts, a.n, a.cap)
+def run_workload(d, num_prompts, a, bw, full: bool):
+    prompts, lengths = make_workload(num_prompts, a.n, a.cap)
     flat = [x for r in lengths for x in r]
-    print(f"workload: {a.prompts} prompts x n={a.n}, cap {a.cap}, completion lengths mean "
+    print(f"\nworkload: {num_prompts} prompts x n={a.n}, cap {a.cap}, completion lengths mean "
           f"{statistics.mean(flat):.1f} (cap/{a.cap / statistics.mean(flat):.1f}), "
-          f"{flat.count(a.cap)} at the cap; {sum(flat)} tokens in all")
-    bw = copy_bandwidth()
+          f"{flat.count(a.cap)} at the cap; {sum(flat)} tokens in all", flush=True)
+    systems = [("orbitrl", run_orbitrl, dict(trace=True))]
+    if full:
+        systems += [("orbitrl fp8 KV", run_orbitrl, dict(kv_dtype="fp8")),
+                    ("orbitrl, no group sharing", run_orbitrl, dict(group=False))]
+    systems += [("transformers generate", run_hf_generate, {}),
+                ("transformers generate_batch", run_hf_batch, {})]
     res = {}
-    for name, fn, extra in [("orbitrl", run_orbitrl, dict(trace=True)),
-                            ("orbitrl fp8 KV", run_orbitrl, dict(kv_dtype="fp8")),
-                            ("orbitrl, no group sharing", run_orbitrl, dict(group=False)),
-                            ("transformers generate", run_hf_generate, {}),
-                            ("transformers generate_batch", run_hf_batch, {})]:
+    for name, fn, extra in systems:
         args = (d, prompts, lengths, a.cap)
         if fn is run_orbitrl:
             args += (extra.get("kv_dtype"), extra.get("group", True), extra.get("trace", False))
@@ -272,32 +283,47 @@ def main():
             print(f"{name}: FAILED {r['error']}")
             continue
         print(f"{name}: {r['tokens']} tokens in {r['seconds']:.1f}s", flush=True)
+    floor = in_process(gemm_floor, d, lengths, a.cap)
+    if "error" in floor:
+        raise SystemExit(f"GEMM floor: {floor['error']}")
 
     ours = res["orbitrl"]
     mib = 2 ** 20
     print()
-    print("| system | tokens/s | ours / it | peak RSS growth (MiB) | it / ours | KV peak (MiB) |")
-    print("|---|---|---|---|---|---|")
+    print(f"GEMM floor of this workload: {floor['seconds']:.2f} s = "
+          f"{sum(flat) / floor['seconds']:.0f} tokens/s (weight matmuls alone, see the docstring)")
+    print()
+    print("| system | tokens/s | orbitrl / it | % of GEMM floor | peak RSS growth (MiB) | "
+          "it / orbitrl | KV peak (MiB) |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
         if "error" in r:
-            print(f"| {name} | failed | | | | |")
+            print(f"| {name} | failed | | | | | |")
             continue
         tps = r["tokens"] / r["seconds"]
         ratio = (ours["tokens"] / ours["seconds"]) / tps
         kv = f"{r['kv_peak'] / mib:.1f}" if "kv_peak" in r else "-"
-        print(f"| {name} | {tps:.1f} | {ratio:.2f}x | {r['mem'] / mib:.0f} | "
-              f"{r['mem'] / max(ours['mem'], 1):.2f}x | {kv} |")
+        print(f"| {name} | {tps:.1f} | {ratio:.2f}x | {floor['seconds'] / r['seconds']:.0%} | "
+              f"{r['mem'] / mib:.0f} | {r['mem'] / max(ours['mem'], 1):.2f}x | {kv} |")
+    for name in ("transformers generate", "transformers generate_batch"):
+        r = res.get(name, {})
+        if "seconds" in r:
+            need = r["seconds"] / 3
+            print(f"3x {name}: {r['tokens'] / need:.0f} tokens/s, "
+                  f"{floor['seconds'] / need:.0%} of the GEMM floor "
+                  f"({'reached' if ours['seconds'] <= need else 'not reached'})")
     w = ours["params"] * 4
-    floor = w / bw
+    step_floor = w / bw
     print()
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s; weights {w / 1e6:.0f} MB; decode-step floor "
-          f"{floor * 1e3:.1f} ms")
+          f"{step_floor * 1e3:.1f} ms")
     if ours["steps"]:
         b, t = ours["steps"][0][0], statistics.median(x[1] for x in ours["steps"])
-        print(f"decode at batch {b}: {t * 1e3:.1f} ms/step = {floor / t:.0%} of the bandwidth "
-              f"roofline ({b / t:.0f} tokens/s vs {b / floor:.0f})")
+        print(f"decode at batch {b}: {t * 1e3:.1f} ms/step = {step_floor / t:.0%} of the "
+              f"bandwidth roofline ({b / t:.0f} tokens/s vs {b / step_floor:.0f})")
     print(f"decode at batch 1: {ours['single'] * 1e3:.1f} ms/step = "
-          f"{floor / ours['single']:.0%} of the bandwidth roofline")
+          f"{step_floor / ours['single']:.0%} of the bandwidth roofline; its GEMMs alone "
+          f"{floor['batch1'] * 1e3:.1f} ms")
     fp8 = res.get("orbitrl fp8 KV", {})
     if "raw" in fp8:  # same seeds: compare raw logprobs up to each sequence's first divergence
         diffs = []
@@ -312,6 +338,33 @@ def main():
         print(f"group sharing: KV peak {ours['kv_peak'] / mib:.1f} MiB with n samples sharing "
               f"prompt blocks vs {ng['kv_peak'] / mib:.1f} MiB as separate requests "
               f"({ours['cow']} copy-on-write blocks)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="16,4",
+                    help="prompts per workload, comma-separated; the first gets every system")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--cap", type=int, default=128)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
+                         "continuous-batching manager's thread gets it). Default 1: on 2 "
+                         "shared cores every 2-thread GEMM with M > 1 paid a ~23 ms OpenMP "
+                         "wake-up, for ours and transformers' alike")
+    a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # inherited by the spawned children
+    torch.set_num_threads(a.threads)
+    if a.quick:
+        a.prompts, a.cap = "2", 32
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tempfile.mkdtemp(prefix="bench_engine_")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **MODEL)).save_pretrained(d)
+    bw = copy_bandwidth()
+    for k, p in enumerate(int(x) for x in a.prompts.split(",")):
+        run_workload(d, p, a, bw, full=k == 0)
 
 
 if __name__ == "__main__":

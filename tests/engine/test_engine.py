@@ -218,33 +218,3 @@ def test_engine_sees_weight_updates(hf_dirs):
         want = torch.log_softmax(model(torch.tensor([prompt]))[0, -1], -1)[after.token_ids[0]]
     assert abs(want.item() - after.raw_logprobs[0]) < 1e-5
 
-
-def test_transposed_head_copy_follows_the_weights(hf_dirs):
-    """The CPU head copy gives the module's tokens and logprobs, is remade when a frozen head
-    changes in place, and is dropped after a rollout when the head trains."""
-    model = orbitrl.load_model(hf_dirs["qwen2"][0])
-    prompts = _prompts([5, 11, 3])
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    plain = Engine(model, kv_budget_bytes=1 << 20, head_copy=False).generate(prompts, params)
-    eng = Engine(model, kv_budget_bytes=1 << 20)
-    assert eng.runner.head.enabled
-    outs = eng.generate(prompts, params)
-    for a, b in zip(outs, plain):
-        assert a.samples[0].token_ids == b.samples[0].token_ids
-        assert max(abs(x - y) for x, y in zip(a.samples[0].raw_logprobs,
-                                              b.samples[0].raw_logprobs)) < 1e-5
-    w = model.lm_head.weight
-    assert eng.runner.head.t is None and eng.summary()["head_copy_bytes"] == w.numel() * 4
-    w.requires_grad_(False)  # frozen: the copy is kept between rollouts...
-    eng.generate(prompts[:1], params)
-    kept = eng.runner.head.t
-    assert kept is not None and torch.equal(kept, w.t())
-    eng.generate(prompts[:1], params)
-    assert eng.runner.head.t is kept
-    with torch.no_grad():  # ...until the weight changes in place
-        w.mul_(torch.linspace(-3, 3, w.shape[0])[:, None])
-    after = eng.generate(prompts, params)
-    assert eng.runner.head.t is not kept and torch.equal(eng.runner.head.t, w.t())
-    ref = Engine(model, kv_budget_bytes=1 << 20, head_copy=False).generate(prompts, params)
-    for a, b in zip(after, ref):
-        assert a.samples[0].token_ids == b.samples[0].token_ids

@@ -94,3 +94,28 @@ def test_recompute_gives_same_gradients(hf_dirs):
     m(ids).sum().backward()
     for a, p in zip(g1, m.parameters()):
         assert torch.allclose(a, p.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # a tied and an untied head
+def test_column_major_head_same_logits_and_gradients(hf_dirs, family):
+    """load_model stores the head column-major on the CPU (memory neutral); the forward,
+    the gradients (through a tied embedding too) and the update land as with a row-major
+    head."""
+    path, _ = hf_dirs[family]
+    col = orbitrl.load_model(path)
+    row = orbitrl.load_model(path)
+    w = row.lm_head.weight
+    w.data = w.data.contiguous()
+    assert col.lm_head.weight.stride() == (1, col.config.vocab_size)
+    assert col.lm_head.weight.untyped_storage().nbytes() == w.numel() * 4
+    assert (col.model.embed_tokens.weight is col.lm_head.weight) == (family == "qwen2")
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    for m in (col, row):
+        m.train()
+        torch.log_softmax(m(ids), -1)[..., 5].sum().backward()
+    gc, gr = col.lm_head.weight.grad, row.lm_head.weight.grad
+    assert (gc - gr).abs().max().item() < 1e-5
+    with torch.no_grad():
+        col.lm_head.weight.add_(gc, alpha=-0.1)
+        w.add_(gr, alpha=-0.1)
+        assert (col(ids) - row(ids)).abs().max().item() < 1e-5

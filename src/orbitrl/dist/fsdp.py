@@ -49,6 +49,9 @@ def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True
 
     dev = "cuda" if dist.backend == "nccl" else "cpu"
     mesh = init_device_mesh(dev, (dist.world,))
+    head = model.lm_head.weight
+    if not head.is_contiguous():  # undo Decoder.head_column_major: shards split rows
+        head.data = head.data.contiguous()
     layers = list(model.model.layers)
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -50,16 +50,12 @@ class Engine:
         preempt: "recompute" or "swap" when blocks run out; default swap on CUDA, recompute
             on CPU (where host and device memory are the same).
         seed: seeds the generator of requests that carry no seed of their own.
-        head_copy: keep the output head transposed for decoding (``HeadCache`` in
-            model_runner.py: about 2.5x faster head GEMVs on the CPU for ``V * H`` elements
-            of memory, dropped after each rollout when the head trains). Default: on where
-            usable (a plain head on the CPU).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,
                  kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 preempt: str | None = None, seed: int = 0, head_copy: bool | None = None):
+                 preempt: str | None = None, seed: int = 0):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         dtype, device = next(model.parameters()).dtype, model.device
@@ -89,7 +85,7 @@ class Engine:
             raise OrbitError(f"preempt {preempt!r}: choose 'swap' or 'recompute'")
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
-        self.runner = ModelRunner(model, self.cache, head_copy)
+        self.runner = ModelRunner(model, self.cache)
         self.eos_ids = frozenset(_ids(cfg.eos_token_id)
                                  + _ids(getattr(tokenizer, "eos_token_id", None)))
         self.rng = torch.Generator().manual_seed(seed)
@@ -190,7 +186,6 @@ class Engine:
         if not self.scheduler.has_work():
             # the weights may have changed since the last call: cached prefixes are stale
             self.pool.reset_prefix_cache()
-        self.runner.head.refresh()
         reqs = [r if isinstance(r, Request) else
                 Request(prompt=r) if isinstance(r, str) else Request(prompt_ids=list(r))
                 for r in requests]
@@ -214,9 +209,6 @@ class Engine:
                     break
                 bar.update(len(self.step()))
         self.stats["seconds"] += time.perf_counter() - t0
-        self.stats["head_copy_bytes"] = self.runner.head.nbytes
-        if self.runner.head.trains:  # remade at the next rollout anyway
-            self.runner.head.release()
         for i, seqs in self._done.items():
             outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
                                           s.finish_reason)

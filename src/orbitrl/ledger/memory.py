@@ -374,13 +374,6 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
             ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
     elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
         terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
-    if device != "cuda" and n == 1:
-        # the engine's transposed copy of the output head (engine/model_runner.py HeadCache):
-        # kept between rollouts when the head is frozen, made per rollout when it trains
-        head = shape.vocab * shape.hidden * int(PARAM_BYTES[compute])
-        for name, ph in terms.items():
-            if strat.kind == "adapter" or name == "rollout":
-                ph["rollout:head_copy"] = head
     if n > 1:
         sharded_runtime_terms(terms, shape, strat, n, PARAM_BYTES[compute],
                               base_sharded=t.mode == "full" or cfg.model.base_dtype == "fp32",

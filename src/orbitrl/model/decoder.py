@@ -180,6 +180,30 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    def head_column_major(self) -> bool:
+        """Store the output head's weight column-major (``[V, H]`` with strides ``(1, V)``,
+        memory neutral), on the CPU only. Returns whether it did.
+
+        ``nn.Linear`` computes ``x @ W.T``; with ``W`` row-major that is a GEMM over a
+        transposed operand, which MKL streams well under the machine's bandwidth for the few
+        rows of a decode step: a 32k x 512 head took 6.0 ms at one row and 12 ms at two,
+        against 2.4 and 4.6 ms with ``W.T`` contiguous (one thread). The head is the largest
+        matrix of a small model; a batch-1 decode step went from 18 to 14 ms. Everything
+        else keeps working on the strided weight: an embedding lookup (tied) gathers
+        columns, 0.5 ms for 128 tokens; gradients take the parameter's layout; checkpoints
+        are written contiguous. Sharding (``dist.fsdp``) makes it row-major again.
+        """
+        w = self.lm_head.weight
+        if w.device.type != "cpu" or not w.is_contiguous() or w.shape[0] == 1:
+            return False
+        from orbitrl.dist.env import is_dtensor
+
+        if is_dtensor(w):
+            return False
+        with torch.no_grad():
+            w.data = w.data.t().contiguous().t()  # the one Parameter: a tied embedding follows
+        return True
+
     @staticmethod
     def packed_inputs(sequences: list[list[int]], device=None):
         """Pack token lists into one row: (input_ids, positions, seq_ids), each [1, sum(T)]."""

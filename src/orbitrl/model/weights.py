@@ -167,6 +167,7 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         model.lm_head.weight = model.model.embed_tokens.weight
     if base_format is not None:
         quant.finish_frozen(model, path)
+    model.head_column_major()
     return model.eval()
 
 

@@ -331,6 +331,7 @@ class LayerResidency:
                              f"{missing[0]!r}")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        model.head_column_major()
         res = cls(model.eval(), prefetch=prefetch, device=device, _disk=(disk, shapes), **kw)
         if host_budget_bytes is not None:
             need = res.fixed_bytes + (1 + res.k) * max(L.nbytes for L in res.layers)
