@@ -19,8 +19,9 @@ minus the RSS just before it, after the model is loaded and warmed up.
 Workloads: ``--prompts 16,4`` (default) runs every system on 16 prompts x 8 (128 rollouts,
 a common GRPO step) and then on 4 x 8. Both have the same cap and length distribution.
 
-GEMM floor: the seconds that the model's weight matmuls alone take on this workload. That
-is, for every decode step, the projections and the head at that step's batch (the
+GEMM floor: the seconds that the model's weight matmuls alone take on this workload: every
+prompt prefilled once (the projections over all prompt tokens, the head over one row per
+prompt), then for every decode step the projections and the head at that step's batch (the
 sequences still running; each sequence stopped at its drawn length), measured here with
 the model's own weights, taking the faster of the two weight layouts. Prefill, attention,
 sampling and every other op are left out. No implementation that does these matmuls in
@@ -194,8 +195,9 @@ def run_hf_batch(model_dir, prompts, lengths, cap):
     return dict(tokens=toks, seconds=dt, mem=mem.growth)
 
 
-def gemm_floor(model_dir, lengths, cap):
-    """Seconds of the weight matmuls alone over the workload's decode steps (see above)."""
+def gemm_floor(model_dir, prompt_lens, lengths, cap):
+    """Seconds of the weight matmuls alone: every prompt prefilled once, then every decode
+    step at its batch (see the docstring)."""
     import torch.nn.functional as F
 
     import orbitrl
@@ -204,28 +206,32 @@ def gemm_floor(model_dir, lengths, cap):
     mats = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and name != "lm_head"]
-    mats.append((model.lm_head.weight.detach(), None))
-    flipped = [(w.t().contiguous(), b) for w, b in mats]
+    head = model.lm_head.weight.detach()
     flat = [x for row in lengths for x in row]
 
-    def pass_(m, transposed):
+    def pass_(m, transposed, with_head=True):
+        chosen = mats + [(head, None)] if with_head else mats
+        if transposed:
+            chosen = [(w.t().contiguous(), b) for w, b in chosen]
         xs = {k: torch.randn(m, k) for k in {w.shape[1] for w, _ in mats}}
         t = time.perf_counter()
-        for (w, b), (wt, _) in zip(mats, flipped):
-            x = xs[w.shape[1]]
+        for w, b in chosen:
             if transposed:
-                y = x @ wt
+                y = xs[w.shape[0]] @ w
                 if b is not None:
                     y += b
             else:
-                F.linear(x, w, b)
+                F.linear(xs[w.shape[1]], w, b)
         return time.perf_counter() - t
 
-    cost = {}
-    for m in sorted({sum(1 for L in flat if L > s) for s in range(cap)} - {0} | {1}):
-        cost[m] = min(min(pass_(m, tr) for _ in range(3)) for tr in (False, True))
-    return dict(seconds=sum(cost[sum(1 for L in flat if L > s)] for s in range(cap)
-                            if any(L > s for L in flat)),
+    def best(m, **kw):
+        return min(min(pass_(m, tr, **kw) for _ in range(3)) for tr in (False, True))
+
+    batches = [sum(1 for L in flat if L > s) for s in range(cap)]
+    cost = {m: best(m) for m in set(batches) - {0} | {1}}
+    prefill = best(sum(prompt_lens), with_head=False) + best(len(prompt_lens)) - best(
+        len(prompt_lens), with_head=False)
+    return dict(seconds=prefill + sum(cost[m] for m in batches if m), prefill=prefill,
                 batch1=cost[1])
 
 
@@ -283,7 +289,7 @@ def run_workload(d, num_prompts, a, bw, full: bool):
             print(f"{name}: FAILED {r['error']}")
             continue
         print(f"{name}: {r['tokens']} tokens in {r['seconds']:.1f}s", flush=True)
-    floor = in_process(gemm_floor, d, lengths, a.cap)
+    floor = in_process(gemm_floor, d, [len(p) for p in prompts], lengths, a.cap)
     if "error" in floor:
         raise SystemExit(f"GEMM floor: {floor['error']}")
 
@@ -291,7 +297,8 @@ def run_workload(d, num_prompts, a, bw, full: bool):
     mib = 2 ** 20
     print()
     print(f"GEMM floor of this workload: {floor['seconds']:.2f} s = "
-          f"{sum(flat) / floor['seconds']:.0f} tokens/s (weight matmuls alone, see the docstring)")
+          f"{sum(flat) / floor['seconds']:.0f} tokens/s (weight matmuls alone, prefill "
+          f"{floor['prefill']:.2f} s of it; see the docstring)")
     print()
     print("| system | tokens/s | orbitrl / it | % of GEMM floor | peak RSS growth (MiB) | "
           "it / orbitrl | KV peak (MiB) |")
