@@ -16,8 +16,11 @@ Memory: each system runs in its own fresh process; a thread samples the process 
 (including the continuous-batching manager's start-up, where its cache is allocated)
 minus the RSS just before it, after the model is loaded and warmed up.
 
-Workloads: ``--prompts 16,4`` (default) runs every system on 16 prompts x 8 (128 rollouts,
-a common GRPO step) and then on 4 x 8. Both have the same cap and length distribution.
+Workloads: ``--prompts 32,16,4`` (default) runs every system on 32 prompts x 8 (256 rollouts,
+a common GRPO step), then the three main ones on 16 x 8 and 4 x 8. All three have the same
+cap and the same length distribution. The ratios grow with the batch: transformers'
+continuous batching slows down as its batch grows. At 4 x 8, every system is bound by the
+same matmuls (see the GEMM floor).
 
 GEMM floor: the seconds that the model's weight matmuls alone take on this workload: every
 prompt prefilled once (the projections over all prompt tokens, the head over one row per
@@ -33,7 +36,7 @@ counted once, as the tied lm_head) divided by this machine's copy bandwidth (mea
 2 x bytes / time of a 256 MiB tensor copy) is the floor of a decode step's time; we report
 that floor / measured step time, at the workload's batch and at batch 1.
 
-    python benchmarks/bench_engine.py            # about 5 minutes on 2 cores
+    python benchmarks/bench_engine.py            # about 10 minutes on 2 cores
     python benchmarks/bench_engine.py --quick    # smaller, for a smoke test
 """
 
@@ -349,7 +352,7 @@ def run_workload(d, num_prompts, a, bw, full: bool):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", default="16,4",
+    ap.add_argument("--prompts", default="32,16,4",
                     help="prompts per workload, comma-separated; the first gets every system")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--cap", type=int, default=128)
