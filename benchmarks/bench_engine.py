@@ -1,5 +1,5 @@
 """Rollout throughput and memory: orbitrl's engine vs transformers' padded ``generate`` and
-its continuous-batching ``generate_batch`` path, on one GRPO-shaped workload, in one run.
+its continuous-batching ``generate_batch`` path, on GRPO-shaped workloads, in one run.
 
 Workload: P prompts x n = 8 samples, temperature 1, no top-k/top-p. Each sequence's length
 is drawn beforehand from a long-tailed distribution (mean at most a third of the cap, a few
@@ -26,10 +26,11 @@ GEMM floor: the seconds that the model's weight matmuls alone take on this workl
 prompt prefilled once (the projections over all prompt tokens, the head over one row per
 prompt), then for every decode step the projections and the head at that step's batch (the
 sequences still running; each sequence stopped at its drawn length), measured here with
-the model's own weights, taking the faster of the two weight layouts. Prefill, attention,
-sampling and every other op are left out. No implementation that does these matmuls in
-fp32 on these cores can beat it. Reading "x% of the floor" next to each system says how
-much of its time is spent outside the matmuls.
+the model's own weights, taking the faster of the two weight layouts (a sequence's first
+token comes from its prompt's prefill row). Attention, sampling and every other op are left
+out. An implementation that does these matmuls in fp32 with this build's GEMMs cannot beat
+it. Reading "x% of the floor" next to each system says how much of its time is spent
+outside the matmuls.
 
 Roofline: bytes of weights read per decode step (every parameter once; the embedding table
 counted once, as the tied lm_head) divided by this machine's copy bandwidth (measured here,
@@ -230,7 +231,9 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
     def best(m, **kw):
         return min(min(pass_(m, tr, **kw) for _ in range(3)) for tr in (False, True))
 
-    batches = [sum(1 for L in flat if L > s) for s in range(cap)]
+    # a sequence's first token comes from the prefill's head row; decode step s >= 1
+    # runs every sequence longer than s
+    batches = [sum(1 for L in flat if L > s) for s in range(1, cap)]
     cost = {m: best(m) for m in set(batches) - {0} | {1}}
     prefill = best(sum(prompt_lens), with_head=False) + best(len(prompt_lens)) - best(
         len(prompt_lens), with_head=False)

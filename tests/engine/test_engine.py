@@ -217,4 +217,3 @@ def test_engine_sees_weight_updates(hf_dirs):
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([prompt]))[0, -1], -1)[after.token_ids[0]]
     assert abs(want.item() - after.raw_logprobs[0]) < 1e-5
-

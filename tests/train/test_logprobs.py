@@ -106,3 +106,20 @@ def test_bad_inputs():
         token_logprobs(h, w, y + 200)
     with pytest.raises(OrbitError, match="shape"):
         token_logprobs(h, w[:, :3], y)
+
+
+def test_column_major_head_gradient_built_in_place():
+    """A column-major head (model/decoder.py) gets its gradient in its own layout: the
+    buffer backward builds is the one .grad keeps (no V x H copy), with the same values."""
+    torch.manual_seed(0)
+    V, H, N = 1000, 64, 50
+    h, t = torch.randn(N, H), torch.randint(0, V, (N,))
+    row = torch.nn.Parameter(torch.randn(V, H))
+    col = torch.nn.Parameter(row.detach().t().contiguous().t())
+    seen = []
+    col.register_hook(lambda g: seen.append(g.data_ptr()))
+    for w in (row, col):
+        out = token_logprobs(h, w, t)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert col.grad.stride() == (1, V) and seen == [col.grad.data_ptr()]
+    assert torch.allclose(col.grad, row.grad, atol=1e-6)

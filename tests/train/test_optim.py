@@ -285,3 +285,15 @@ def test_update_size_equals_the_measured_change(hf_dirs, cls, kw):
     assert size["update_norm"] == pytest.approx(d, rel=1e-4)
     assert size["update_rel"] == pytest.approx(d / w, rel=1e-4)
     assert opt.take_update_size()["update_norm"] == 0.0  # reset
+
+
+def test_dot_over_layouts():
+    """AdaLomo's weight-decay term sums W * u over a row-major or column-major head."""
+    from orbitrl.train.optim import _dot
+
+    torch.manual_seed(0)
+    a, b = torch.randn(300, 40), torch.randn(300, 40)
+    want = (a.double() * b.double()).sum()
+    col = lambda x: x.t().contiguous().t()  # noqa: E731
+    for x, y in [(a, b), (col(a), col(b)), (a, col(b)), (col(a), b)]:
+        assert abs(_dot(x, y).item() - want.item()) < 1e-3

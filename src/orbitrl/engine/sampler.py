@@ -72,6 +72,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     filter: the RL default) invert its CDF directly; other rows build their filtered,
     tempered distribution. A token's raw logprob is its logit minus the log-normaliser.
     """
+    logits = logits.float()
     b = logits.shape[0]
     dev = logits.device
     mx = logits.amax(-1, keepdim=True)
@@ -91,7 +92,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         u = u.to(dev)
         plain = [j for j, i in enumerate(rows) if params[i].temperature == 1
                  and not 0 < params[i].top_k < logits.shape[1] and params[i].top_p >= 1]
-        other = [j for j in range(len(rows)) if j not in set(plain)]
+        taken = set(plain)
+        other = [j for j in range(len(rows)) if j not in taken]
         if plain:  # the sampling distribution is the raw one
             sel = torch.tensor([rows[j] for j in plain], device=dev)
             w = e if len(plain) == b else e[sel]

@@ -181,20 +181,27 @@ class Decoder(nn.Module):
         return self.model.norm.weight.device
 
     def head_column_major(self) -> bool:
-        """Store the output head's weight column-major (``[V, H]`` with strides ``(1, V)``,
-        memory neutral), on the CPU only. Returns whether it did.
+        """Store an fp32 output head's weight column-major (``[V, H]`` with strides
+        ``(1, V)``), on the CPU only. Returns whether it did.
 
         ``nn.Linear`` computes ``x @ W.T``; with ``W`` row-major that is a GEMM over a
         transposed operand, which MKL streams well under the machine's bandwidth for the few
         rows of a decode step: a 32k x 512 head took 6.0 ms at one row and 12 ms at two,
         against 2.4 and 4.6 ms with ``W.T`` contiguous (one thread). The head is the largest
-        matrix of a small model; a batch-1 decode step went from 18 to 14 ms. Everything
-        else keeps working on the strided weight: an embedding lookup (tied) gathers
-        columns, 0.5 ms for 128 tokens; gradients take the parameter's layout; checkpoints
-        are written contiguous. Sharding (``dist.fsdp``) makes it row-major again.
+        matrix of a small model. bf16 heads gained nothing in the same test and are left
+        as they are.
+
+        No extra memory at rest: the one Parameter is re-laid out (a tied embedding follows).
+        Converting holds two copies of the head for a moment, and so does a safetensors
+        export (written contiguous). Costs elsewhere: a tied embedding lookup gathers
+        columns (about 0.5 ms for 128 tokens, 10 ms for 2048); gradients take the
+        parameter's layout (``train/logprobs.py`` builds the head's gradient in it).
+        Sharding (``dist.fsdp``) makes the head row-major again. A model moved to a GPU
+        afterwards keeps the layout, which cuBLAS takes as it is.
         """
         w = self.lm_head.weight
-        if w.device.type != "cpu" or not w.is_contiguous() or w.shape[0] == 1:
+        if (w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous()
+                or w.shape[0] == 1):
             return False
         from orbitrl.dist.env import is_dtensor
 

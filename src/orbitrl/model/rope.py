@@ -56,8 +56,8 @@ class Rotary:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin`` with the same products and sums:
     ``rotate_half(x) = cat(-x2, x1)`` is ``roll(x, D/2) = cat(x2, x1)`` times the sign that
-    ``signed_sin = cat(-sin1, sin2)`` carries (a sign flip is exact), in four ops instead
-    of eight (a decode step runs this 16 times).
+    ``signed_sin = cat(-sin1, sin2)`` carries (a sign flip is exact): roll, two products
+    and a sum, where rotate_half took chunk, neg and cat before them (twice per layer).
 
     x: [B, T, H, D]; cos / signed_sin: [B, T, 1, D] (from :class:`Rotary`)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

@@ -85,7 +85,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         g_logp = torch.where(targets >= 0, g_logp, torch.zeros_like(g_logp))
         g_ent = torch.zeros(N, device=dev) if g_ent is None else g_ent.float()
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_w else None
+        grad_w = None
+        if need_w:  # in the weight's layout (a column-major head, model/decoder.py): autograd
+            # then hands this buffer to .grad as it is instead of copying it into that layout
+            col = weight.dim() == 2 and weight.t().is_contiguous() and not weight.is_contiguous()
+            grad_w = (torch.zeros(weight.shape[::-1], dtype=torch.float32, device=dev).t() if col
+                      else torch.zeros(weight.shape, dtype=torch.float32, device=dev))
         for t0 in range(0, N, token_chunk):
             t1 = min(N, t0 + token_chunk)
             h = hidden[t0:t1]

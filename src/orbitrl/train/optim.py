@@ -458,11 +458,21 @@ class FusedAdaLomo(FusedOptimizer):
         a = lr_t * group["weight_decay"]
         d_sq = lr_t * lr_t * u_sq
         if a:
-            d_sq = d_sq + a * a * w_sq + 2 * a * lr_t * torch.dot(pf.reshape(-1), u.reshape(-1))
+            d_sq = d_sq + a * a * w_sq + 2 * a * lr_t * _dot(pf, u)
         self._note(w_sq, d_sq)
         if group["weight_decay"]:
             pf.mul_(1 - lr_t * group["weight_decay"])
         _write(p, pf.add_(u, alpha=-lr_t))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum of a * b over all elements, without a copy when both share a dense layout
+    (row-major, or the column-major head of model/decoder.py); else one temporary."""
+    if a.is_contiguous() and b.is_contiguous():
+        return torch.dot(a.view(-1), b.view(-1))
+    if a.dim() == 2 and a.t().is_contiguous() and b.t().is_contiguous():
+        return torch.dot(a.t().reshape(-1), b.t().reshape(-1))  # views: same element order
+    return (a * b).sum()
 
 
 def _rms(sq: torch.Tensor, x: torch.Tensor, full_shape=None, allsum=None) -> torch.Tensor:
