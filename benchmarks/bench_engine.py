@@ -207,17 +207,18 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
     import orbitrl
 
     model = orbitrl.load_model(model_dir)
-    mats = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name != "lm_head"]
-    head = model.lm_head.weight.detach()
+    layers = [(m.weight.detach(), None if m.bias is None else m.bias.detach())
+              for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    head = [(model.lm_head.weight.detach(), None)]
+    flip = lambda ms: [(w.t().contiguous(), b) for w, b in ms]  # noqa: E731
+    layouts = {False: (layers, head), True: (flip(layers), flip(head))}  # transposed?
     flat = [x for row in lengths for x in row]
 
-    def pass_(m, transposed, with_head=True):
-        chosen = mats + [(head, None)] if with_head else mats
-        if transposed:
-            chosen = [(w.t().contiguous(), b) for w, b in chosen]
-        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w, _ in mats}}
+    def pass_(m, transposed, with_layers=True, with_head=True):
+        ls, hd = layouts[transposed]
+        chosen = (ls if with_layers else []) + (hd if with_head else [])
+        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w, _ in layers + head}}
         t = time.perf_counter()
         for w, b in chosen:
             if transposed:
@@ -235,8 +236,8 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
     # runs every sequence longer than s
     batches = [sum(1 for L in flat if L > s) for s in range(1, cap)]
     cost = {m: best(m) for m in set(batches) - {0} | {1}}
-    prefill = best(sum(prompt_lens), with_head=False) + best(len(prompt_lens)) - best(
-        len(prompt_lens), with_head=False)
+    prefill = best(sum(prompt_lens), with_head=False) + best(len(prompt_lens),
+                                                               with_layers=False)
     return dict(seconds=prefill + sum(cost[m] for m in batches if m), prefill=prefill,
                 batch1=cost[1])
 
