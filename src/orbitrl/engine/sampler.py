@@ -83,6 +83,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = (logits.argmax(-1) if len(rows) < b
               else torch.empty(b, dtype=torch.long, device=dev))
     lp = torch.zeros(b, dtype=torch.float32, device=dev)
+    # rows whose sampling distribution is the raw one (temperature 1, no filter)
+    plain = [j for j, i in enumerate(rows) if params[i].temperature == 1
+             and not 0 < params[i].top_k < logits.shape[1] and params[i].top_p >= 1]
+    plain_sel = torch.tensor([rows[j] for j in plain], dtype=torch.long, device=dev)
     if rows:
         # inverse CDF: one uniform per row, from the row's own generator when it has one
         u = torch.rand(len(rows), generator=default)
@@ -90,16 +94,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             if generators[i] is not None:
                 u[j] = torch.rand(1, generator=generators[i])[0]
         u = u.to(dev)
-        plain = [j for j, i in enumerate(rows) if params[i].temperature == 1
-                 and not 0 < params[i].top_k < logits.shape[1] and params[i].top_p >= 1]
+        if plain:
+            w = e if len(plain) == b else e[plain_sel]
+            tokens[plain_sel] = _invert_cdf(w, u[plain] * total[plain_sel])
         taken = set(plain)
         other = [j for j in range(len(rows)) if j not in taken]
-        if plain:  # the sampling distribution is the raw one
-            sel = torch.tensor([rows[j] for j in plain], device=dev)
-            w = e if len(plain) == b else e[sel]
-            tok = _invert_cdf(w, u[plain] * total[sel])
-            tokens[sel] = tok
-            lp[sel] = logits[sel, tok] - lse[sel]
         if other:
             sel = torch.tensor([rows[j] for j in other], device=dev)
             temps = torch.tensor([params[rows[j]].temperature for j in other], device=dev)
@@ -113,4 +112,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             tok = _invert_cdf(probs, u[other] * probs.sum(-1))
             tokens[sel] = tok
             lp[sel] = lps.gather(1, tok[:, None])[:, 0]
-    return tokens, lp, logits.gather(1, tokens[:, None])[:, 0] - lse
+    raw = logits.gather(1, tokens[:, None])[:, 0] - lse
+    lp[plain_sel] = raw[plain_sel]
+    return tokens, lp, raw
