@@ -5,6 +5,9 @@ startup dominates and the sandbox's ``python -S`` skips the site import. Every r
 same trivial program (read a line, print it back) the same number of times, with the same
 parallelism (one worker per core) and the same pipes, measured side by side in one run.
 
+Second table: how long a hostile program (a busy loop, a fork bomb) runs before the
+sandbox kills it, against the time limit (1 s here): the bound the tests used to assert.
+
     PYTHONPATH=src python benchmarks/bench_sandbox.py [--n 100] [--rounds 3] [--workers 0]
 """
 
@@ -52,6 +55,24 @@ def sandboxed(backend: str, n: int, workers: int) -> tuple[float, str] | None:
     return rate, box.python.executable
 
 
+HOSTILE = {"busy loop": "while True:\n    pass",
+           "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n"
+                        "    except OSError:\n        pass"}
+
+
+def time_to_kill(backends: list[str], rounds: int) -> None:
+    """Seconds from start to verdict of each hostile program, per backend (median)."""
+    limit = 1.0
+    print(f"\n| hostile program | backend | status | seconds to verdict (limit {limit:.0f} s) |")
+    print("|---|---|---|---|")
+    for backend in backends:
+        box = Sandbox(SandboxSection(backend=backend, time_limit_s=limit, workers=1))
+        for name, source in HOSTILE.items():
+            res = [box.run_many([Job(source)])[0] for _ in range(rounds)]
+            print(f"| {name} | {backend} | {res[0].status} | "
+                  f"{statistics.median(r.wall_s for r in res):.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=100, help="programs per row and round")
@@ -84,6 +105,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, r in rate.items():
         print(f"| {name} | {r:.1f} | {r / base:.2f} |")
+    time_to_kill(backends, args.rounds)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def hf_dirs(tmp_path_factory):
 # Tests that run the engine, a producer thread, reward workers or the sandbox get a hard time
 # limit: a deadlock fails the test instead of stalling the suite. Generous: the machine is
 # shared and noisy.
-HARD_LIMIT_S = {"rl": 600, "rewards": 300}
+HARD_LIMIT_S = {"rl": 600, "rewards": 300, "engine": 300}
 
 
 @pytest.fixture(autouse=True)

@@ -44,3 +44,21 @@ def make_hf_model(family: str, seed: int = 0, **over):
             if "norm" in n or n.endswith("bias"):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
     return model.eval()
+
+
+# ---- engine tests -----------------------------------------------------------------------
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def random_prompts(lengths, seed=0, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def unconstrained_run(model, prompts, params):
+    """Generate with a pool far larger than needed: (outputs, blocks the run peaked at,
+    bytes per block), the reference a constrained pool must reproduce."""
+    from orbitrl.engine import Engine
+
+    eng = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
+    return eng.generate(prompts, params), eng.pool.peak_used, eng.block_bytes

@@ -7,13 +7,7 @@ import torch
 import orbitrl
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.sampler import filter_logits
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def _prompts(lengths, seed=0, vocab=97):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+from hf_helpers import GREEDY, random_prompts, unconstrained_run
 
 
 def _hf_greedy(hf, prompt, n):
@@ -30,7 +24,7 @@ def _hf_greedy(hf, prompt, n):
 def test_greedy_matches_transformers(hf_dirs, family):
     path, hf = hf_dirs[family]
     model = orbitrl.load_model(path)
-    prompts = _prompts([3, 17, 9, 33, 1, 12])
+    prompts = random_prompts([3, 17, 9, 33, 1, 12])
     want = [_hf_greedy(hf, p, 12) for p in prompts]
     # batch sizes 1..6 at once, with and without chunked prefill, two block sizes
     for max_seqs, budget, bs in [(6, 2048, 16), (2, 16, 4), (4, 7, 8)]:
@@ -59,7 +53,7 @@ def test_pool_size_from_ledger(hf_dirs):
 def test_prefix_sharing_counters(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
     eng = Engine(model, kv_budget_bytes=1 << 20, block_size=8)
-    prompt = _prompts([37])[0]  # 4 full blocks + 5 tokens
+    prompt = random_prompts([37])[0]  # 4 full blocks + 5 tokens
     out = eng.generate([prompt], SamplingParams(n=8, max_tokens=3, seed=1, ignore_eos=True))
     pool = eng.pool
     # prompt blocks allocated once (5); each sample but the last writer copies the partial one
@@ -70,7 +64,7 @@ def test_prefix_sharing_counters(hf_dirs):
 
 def test_prefix_cache_across_requests(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
-    prompt = _prompts([37])[0]
+    prompt = random_prompts([37])[0]
     reqs = [Request(prompt_ids=prompt, params=SamplingParams(n=8, max_tokens=3, seed=1)),
             Request(prompt_ids=prompt, params=SamplingParams(max_tokens=6, **GREEDY))]
     # the second request waits for the group (8 seqs max), then finds the 4 full blocks
@@ -89,7 +83,7 @@ def test_greedy_group_samples_identical(hf_dirs):
     path, hf = hf_dirs["llama"]
     model = orbitrl.load_model(path)
     eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
-    prompt = _prompts([10])[0]
+    prompt = random_prompts([10])[0]
     out = eng.generate([prompt], SamplingParams(n=4, max_tokens=9, **GREEDY))[0]
     want, _ = _hf_greedy(hf, prompt, 9)
     assert all(s.token_ids == want for s in out.samples)
@@ -98,12 +92,10 @@ def test_greedy_group_samples_identical(hf_dirs):
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_preemption_four_times_the_pool(hf_dirs, preempt):
     model = orbitrl.load_model(hf_dirs["qwen3"][0])
-    prompts = _prompts([5, 14, 9, 20, 3, 11])
+    prompts = random_prompts([5, 14, 9, 20, 3, 11])
     params = SamplingParams(n=2, max_tokens=24, **GREEDY)
-    big = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
-    want = big.generate(prompts, params)
-    need = big.pool.peak_used
-    small = Engine(model, kv_budget_bytes=(need // 4) * big.block_bytes, block_size=4,
+    want, need, block_bytes = unconstrained_run(model, prompts, params)
+    small = Engine(model, kv_budget_bytes=(need // 4) * block_bytes, block_size=4,
                    preempt=preempt)
     assert small.pool.num_blocks * 4 <= need
     got = small.generate(prompts, params)
@@ -117,12 +109,12 @@ def test_preemption_four_times_the_pool(hf_dirs, preempt):
 
 def test_seed_same_tokens_whatever_the_batch(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
-    target = Request(prompt_ids=_prompts([7])[0],
+    target = Request(prompt_ids=random_prompts([7])[0],
                      params=SamplingParams(n=3, max_tokens=15, temperature=0.9, top_k=40,
                                            top_p=0.9, seed=1234, ignore_eos=True))
     alone = Engine(model, kv_budget_bytes=1 << 20).generate([target])[0]
     others = [Request(prompt_ids=p, params=SamplingParams(n=2, max_tokens=n, seed=i))
-              for i, (p, n) in enumerate(zip(_prompts([4, 30, 11], seed=5), [3, 20, 9]))]
+              for i, (p, n) in enumerate(zip(random_prompts([4, 30, 11], seed=5), [3, 20, 9]))]
     eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4, max_num_seqs=5,
                  max_num_batched_tokens=8)
     mixed = eng.generate(others[:2] + [target] + others[2:])[2]
@@ -149,7 +141,7 @@ def test_filter_matches_transformers_warpers():
 def test_stop_token_ids_and_cap(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
     eng = Engine(model, kv_budget_bytes=1 << 20)
-    prompt = _prompts([6])[0]
+    prompt = random_prompts([6])[0]
     full = eng.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0].samples[0]
     stop = full.token_ids[4]
     first = full.token_ids.index(stop)
@@ -162,7 +154,7 @@ def test_stop_token_ids_and_cap(hf_dirs):
 
 def test_fp8_kv_logprob_change_measured(hf_dirs):
     model = orbitrl.load_model(hf_dirs["llama"][0])
-    prompts = _prompts([9, 21, 4])
+    prompts = random_prompts([9, 21, 4])
     params = SamplingParams(max_tokens=16, **GREEDY)
     ref = Engine(model, kv_budget_bytes=1 << 20)
     fp8 = Engine(model, kv_budget_bytes=1 << 20, kv_dtype="fp8")
@@ -180,7 +172,7 @@ def test_fp8_kv_logprob_change_measured(hf_dirs):
 def test_bad_requests_do_not_affect_others(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
     eng = Engine(model, kv_budget_bytes=1 << 20, max_model_len=64)
-    good = _prompts([5])[0]
+    good = random_prompts([5])[0]
     reqs = [
         Request(prompt_ids=good, params=SamplingParams(max_tokens=4, **GREEDY)),
         Request(prompt_ids=[], params=SamplingParams()),
@@ -207,7 +199,7 @@ def test_engine_sees_weight_updates(hf_dirs):
     """No copies: an in-place update of the model is what the next rollout samples."""
     model = orbitrl.load_model(hf_dirs["llama"][0])
     eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
-    prompt = _prompts([8])[0]
+    prompt = random_prompts([8])[0]
     before = eng.generate([prompt], SamplingParams(max_tokens=1, **GREEDY))[0].samples[0]
     with torch.no_grad():  # an "optimizer step": the greedy token's logit flips sign
         model.lm_head.weight[before.token_ids[0]] *= -50.0

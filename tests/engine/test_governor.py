@@ -1,7 +1,5 @@
 """The KV pool shrinks when free memory falls below the floor and grows back when it returns;
-outputs do not change, nothing deadlocks (each generate runs under a hard timeout)."""
-
-import threading
+outputs do not change, nothing deadlocks (tests/conftest.py's hard timeout covers tests/engine)."""
 
 import pytest
 import torch
@@ -10,32 +8,7 @@ import orbitrl
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.engine.governor import KVGovernor, available_memory, hand_back
 from orbitrl.engine.paged_attention import KVCache
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def _prompts(lengths, seed=0, vocab=97):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _with_timeout(fn, seconds=120):
-    """Run fn in a thread; a hang fails the test instead of stalling the suite."""
-    box = {}
-
-    def run():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box["err"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"generate did not finish within {seconds} s (deadlock?)"
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
+from hf_helpers import GREEDY, random_prompts, unconstrained_run
 
 
 class FakeMemory:
@@ -52,20 +25,18 @@ class FakeMemory:
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_throttle_then_grow_keeps_outputs(hf_dirs, preempt):
     model = orbitrl.load_model(hf_dirs["qwen3"][0])
-    prompts = _prompts([5, 14, 9, 20, 3, 11])
+    prompts = random_prompts([5, 14, 9, 20, 3, 11])
     params = SamplingParams(n=3, max_tokens=20, **GREEDY)
-    ref = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
-    want = ref.generate(prompts, params)
-    need = ref.pool.peak_used
+    want, need, block_bytes = unconstrained_run(model, prompts, params)
 
-    eng = Engine(model, kv_budget_bytes=need * ref.block_bytes, block_size=4, preempt=preempt)
+    eng = Engine(model, kv_budget_bytes=need * block_bytes, block_size=4, preempt=preempt)
     bb = eng.block_bytes
     floor = 100 * bb
     # free memory 40 blocks below the floor from the 4th step to the 30th, then plenty
     mem = FakeMemory(high=floor + 400 * bb, low=floor - 40 * bb, drop_at=4, back_at=30)
     gov = KVGovernor(floor, max_blocks=need, available_fn=mem)
     eng.memory_hook = gov
-    got = _with_timeout(lambda: eng.generate(prompts, params))
+    got = eng.generate(prompts, params)
     s = eng.summary()
     assert gov.throttle_events >= 1 and gov.blocks_released > 0
     assert gov.low_blocks < need
@@ -81,13 +52,13 @@ def test_throttle_never_below_one_sample(hf_dirs):
     """Free memory stays far below the floor: the pool shrinks to one sample's blocks and the
     rollout still completes (one sequence at a time)."""
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
-    prompts = _prompts([6, 9, 4])
+    prompts = random_prompts([6, 9, 4])
     params = SamplingParams(n=2, max_tokens=10, **GREEDY)
     want = Engine(model, kv_budget_bytes=1 << 22, block_size=4).generate(prompts, params)
     eng = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
     eng.memory_hook = gov = KVGovernor(1 << 40, max_blocks=eng.pool.num_blocks,
                                        available_fn=lambda: 0)
-    got = _with_timeout(lambda: eng.generate(prompts, params))
+    got = eng.generate(prompts, params)
     # down to what the longest sample still queued needs (19 tokens -> 5 blocks, then 4)
     assert gov.low_blocks <= -(-(9 + 10) // 4)
     assert eng.cache.k.shape[1] == eng.pool.num_blocks * 4  # the memory really went

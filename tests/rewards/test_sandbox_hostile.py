@@ -1,6 +1,7 @@
-"""Hostile programs: each scores 0 with its reason recorded, finishes within its limit plus
-a margin, leaves the host unharmed, and the next program runs normally. Run on every
-backend that works here (bwrap, and the unshare fallback forced by config)."""
+"""Hostile programs: each scores 0 with its reason recorded (a runaway one as "time_limit"),
+leaves the host unharmed, and the next program runs normally. Run on every backend that
+works here (bwrap, and the unshare fallback forced by config). How long the kill takes is
+measured by benchmarks/bench_sandbox.py; a hang fails through tests/conftest.py's limit."""
 
 import contextlib
 import os
@@ -15,7 +16,6 @@ from orbitrl.rewards.code import CodeReward
 from orbitrl.rewards.sandbox import Job
 from sandbox_util import BACKENDS, LIMITS, sandbox
 
-MARGIN_S = 5.0  # generous: the machine is shared; the point is "bounded", not "fast"
 SECRET = "orbitrl-secret-7f3a9c"
 TEST = [{"input": "", "output": "42\n"}]
 
@@ -107,14 +107,11 @@ def test_hostile_program(backend, name, planted, listener):
     reward._sandbox = box
     source, statuses = _hostile(planted, listener)[name]
     parent = os.getppid()
-    t0 = time.monotonic()
     out = reward.score_batch(["p"], [f"```python\n{source}\n```"], [{"tests": TEST}])
-    elapsed = time.monotonic() - t0
     assert out.scores == [0.0] and not out.errors
     (detail,) = out.details[0]
     assert detail["status"] in statuses, detail
     assert detail["reason"], "a failure must say why"
-    assert elapsed < LIMITS["time_limit_s"] + MARGIN_S, elapsed
     # the raw run: bounded output, no secret anywhere
     (res,) = box.run_many([Job(source)])
     assert len(res.stdout) <= LIMITS["output_kb"] * 1024
