@@ -5,7 +5,6 @@ import json
 import string
 
 import pytest
-import torch
 
 import orbitrl
 from orbitrl.cli import main

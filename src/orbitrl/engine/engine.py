@@ -26,6 +26,15 @@ from orbitrl.ledger.kv import kv_blocks_for_budget, kv_bytes_per_block
 FP8_NAMES = ("fp8", "float8_e4m3fn")
 
 
+def kv_block_bytes(model, kv_dtype: str | None, block_size: int) -> int:
+    """Bytes of one KV block of ``model`` in the model dtype (``kv_dtype`` None) or fp8
+    (with its fp32 scales): the planner's formula (``ledger.kv.kv_bytes_per_block``)."""
+    cfg, fp8 = model.config, kv_dtype in FP8_NAMES
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
+                              "fp8" if fp8 else dtype, 4 if fp8 else 0)
+
+
 def _ids(x) -> list[int]:
     if x is None:
         return []
@@ -63,9 +72,7 @@ class Engine:
         if kv_dtype is not None and not fp8 and kv_dtype != str(dtype).removeprefix("torch."):
             raise OrbitError(f"kv_dtype {kv_dtype!r}: choose None (the model dtype) or 'fp8'")
         self.max_model_len = max_model_len or cfg.max_position_embeddings
-        self.block_bytes = kv_bytes_per_block(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
-            "fp8" if fp8 else str(dtype).removeprefix("torch."), 4 if fp8 else 0)
+        self.block_bytes = kv_block_bytes(model, kv_dtype, block_size)
         if kv_budget_bytes is None:
             if device.type == "cuda":
                 kv_budget_bytes = torch.cuda.mem_get_info(device)[0] // 2

@@ -21,7 +21,6 @@ peak next to it:
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch

@@ -128,24 +128,22 @@ class RLTrainer:
     def _engine(self, prompt_len: int):
         """The engine, its KV pool from ``rollout.kv_budget_mb`` or, at 0, from the memory
         training's predicted need leaves (``ledger.memory.kv_pool_for_run``)."""
-        from orbitrl.ledger.kv import kv_bytes_per_block
+        from orbitrl.engine.engine import kv_block_bytes
         from orbitrl.ledger.memory import kv_pool_for_run
         from orbitrl.observe.memory import tensor_bytes
 
         cfg, r, c = self.cfg, self.cfg.rollout, self.model.config
-        fp8 = r.kv_dtype == "fp8"
+        kv_dtype = "fp8" if r.kv_dtype == "fp8" else None
         plan, budget = None, int(r.kv_budget_mb * 2**20)
         if not budget:
-            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-            bb = kv_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, r.block_size,
-                                    "fp8" if fp8 else dtype, 4 if fp8 else 0)
+            bb = kv_block_bytes(self.model, kv_dtype, r.block_size)
             plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb,
                                    available=available_memory(self.device),
                                    resident=tensor_bytes(self.model, self.policy.reference),
                                    device=self.device.type, devices=self.dist.world)
             budget = plan["blocks"] * bb
         engine = Engine(self.model, self.tok, kv_budget_bytes=budget,
-                        kv_dtype="fp8" if fp8 else None, block_size=r.block_size,
+                        kv_dtype=kv_dtype, block_size=r.block_size,
                         seed=cfg.train.seed)
         if plan is not None:
             engine.max_blocks = plan["cap"]
