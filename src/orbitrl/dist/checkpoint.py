@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from orbitrl.dist.env import is_dtensor
+from orbitrl.dist.env import is_dtensor, local as local_of
 from orbitrl.errors import OrbitError
 
 
@@ -98,7 +98,6 @@ def empty_target(shape, dtype, like, split: bool) -> torch.Tensor:
     if split and is_dtensor(like):
         rows = local_rows(torch.empty(shape[0], 0), like).shape[0]
         local = torch.zeros((rows,) + tuple(shape[1:]), dtype=dtype,
-                            device=like.to_local().device)
+                            device=local_of(like).device)
         return dim0_shard(local, like, shape)
-    dev = like.to_local().device if is_dtensor(like) else like.device
-    return torch.zeros(shape, dtype=dtype, device=dev)
+    return torch.zeros(shape, dtype=dtype, device=local_of(like).device)

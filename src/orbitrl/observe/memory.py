@@ -224,9 +224,11 @@ def _tensors(obj):
 
 def _storages(t: torch.Tensor):
     """(data_ptr, nbytes, storage) of the plain storages behind ``t`` (subclasses unpacked)."""
+    from orbitrl.dist.env import is_dtensor, local
+
     inner = t.data if isinstance(t, torch.nn.Parameter) else t
-    if hasattr(inner, "to_local") and hasattr(inner, "device_mesh"):  # a DTensor: its shard
-        yield from _storages(inner.to_local())
+    if is_dtensor(inner):  # its shard
+        yield from _storages(local(inner))
         return
     if type(inner) is not torch.Tensor and hasattr(inner, "__tensor_flatten__"):
         names, _ = inner.__tensor_flatten__()

@@ -72,11 +72,12 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
 def restore_whole_into_shards(tr, state: dict):
     """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
     from orbitrl.dist.checkpoint import local_rows, shard_like
+    from orbitrl.dist.env import is_dtensor, local
 
     params = tr.policy.trainable
     with torch.no_grad():
         for p, s in zip(params, state["trainable"]):
-            p.to_local().copy_(local_rows(s, p)) if hasattr(p, "to_local") else p.copy_(s)
+            local(p).copy_(local_rows(s, p) if is_dtensor(p) else s)
     tr.opt.load_state_dict(state["optimizer"])
     from orbitrl.train.optim import is_fused
 

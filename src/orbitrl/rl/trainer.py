@@ -543,8 +543,7 @@ class RLTrainer:
                 out.update(size)
         else:
             named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-            layers = layer_grad_norms(named, reduce=self.dist.all_sum if self.dist.enabled
-                                      else None)
+            layers = layer_grad_norms(named, reduce=self.dist.all_sum)  # a no-op on one process
             norm = math.sqrt(sum(v * v for v in layers.values()))
             loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
             ok = self.guard.ok(norm if loss_ok else float("nan"))
@@ -554,8 +553,7 @@ class RLTrainer:
                 self.opt.step()
                 self.guard.accept(norm, layers)
                 if self.snapshot is not None:
-                    out.update(self.snapshot.update_size(
-                        self.dist.all_sum if self.dist.enabled else None))
+                    out.update(self.snapshot.update_size(self.dist.all_sum))
                     self.snapshot.save()
             else:
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]

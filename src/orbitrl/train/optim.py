@@ -448,12 +448,13 @@ class FusedAdaLomo(FusedOptimizer):
         # one sum of squares per tensor (this shard's), reused for the RMS clip of u, the
         # RMS step scale of W and the size of the change
         u_sq = torch.linalg.vector_norm(u).square()
-        clip = (_rms(u_sq, u, full_shape, allsum) / group["clip_threshold"]).clamp(min=1.0)
-        u.div_(clip)
-        u_sq = u_sq / clip.square()
         pf = p.float()
         w_sq = torch.linalg.vector_norm(pf).square()
-        lr_t = lr * max(eps2, float(_rms(w_sq, pf, full_shape, allsum)))
+        rms_u, rms_w = _rms(torch.stack([u_sq, w_sq]), u, full_shape, allsum)  # one reduce
+        clip = (rms_u / group["clip_threshold"]).clamp(min=1.0)
+        u.div_(clip)
+        u_sq = u_sq / clip.square()
+        lr_t = lr * max(eps2, float(rms_w))
         # change = -lr_t * (wd * W + u): its squared norm from these sums and one dot
         a = lr_t * group["weight_decay"]
         d_sq = lr_t * lr_t * u_sq
@@ -476,8 +477,9 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rms(sq: torch.Tensor, x: torch.Tensor, full_shape=None, allsum=None) -> torch.Tensor:
-    """RMS of the whole tensor from ``sq``, the sum of squares of ``x`` (this rank's shard
-    when ``allsum`` sums over the ranks; ``sq`` itself is left as it is)."""
+    """RMS over the whole tensor from ``sq``, sums of squares of tensors shaped like ``x``
+    (this rank's shards when ``allsum`` sums over the ranks; ``sq`` itself is left as it
+    is). ``sq`` may hold several such sums: one reduction serves them all."""
     if allsum is None:
         return sq.sqrt() / math.sqrt(x.numel())
     return allsum(sq.clone()).sqrt() / math.sqrt(math.prod(full_shape))
