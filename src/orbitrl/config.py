@@ -24,7 +24,7 @@ def _require(section, name: str, keys, ok, what: str):
     """One-line error for the first of ``keys`` whose value fails ``ok``."""
     for key in keys:
         if not ok(getattr(section, key)):
-            raise OrbitError(f"config key '{name}.{key}' must be {what} got "
+            raise OrbitError(f"config key '{name}.{key}' must be {what}, got "
                              f"{getattr(section, key)}")
 
 
@@ -87,8 +87,8 @@ class RolloutSection:
 
     def __post_init__(self):
         _require(self, "rollout", ("kv_budget_mb", "min_available_mb"), lambda v: v >= 0,
-                 ">= 0,")
-        _require(self, "rollout", ("queue_size",), lambda v: v >= 1, ">= 1,")
+                 ">= 0")
+        _require(self, "rollout", ("queue_size",), lambda v: v >= 1, ">= 1")
 
 
 @dataclass
@@ -150,15 +150,13 @@ class SandboxSection:
 
     def __post_init__(self):
         _require(self, "reward.sandbox", ("time_limit_s", "deadline_s"), lambda v: v > 0,
-                 "positive,")
+                 "positive")
         _require(self, "reward.sandbox", ("memory_mb", "output_kb", "file_mb", "open_files",
-                                          "max_procs"), lambda v: v >= 1, "at least 1,")
-        if self.workers < 0:
-            raise OrbitError(f"config key 'reward.sandbox.workers' must be 0 (one per core) "
-                             f"or positive, got {self.workers}")
-        if not 0 < self.uid_base < 2**31 - 4096:
-            raise OrbitError(f"config key 'reward.sandbox.uid_base' must be an unprivileged "
-                             f"uid, got {self.uid_base}")
+                                          "max_procs"), lambda v: v >= 1, "at least 1")
+        _require(self, "reward.sandbox", ("workers",), lambda v: v >= 0,
+                 "0 (one per core) or positive")
+        _require(self, "reward.sandbox", ("uid_base",), lambda v: 0 < v < 2**31 - 4096,
+                 "an unprivileged uid")
 
 
 @dataclass
@@ -188,11 +186,8 @@ class DistSection:
     rollout_weights: Literal["sharded", "gathered"] = "sharded"  # gathered: whole while generating
 
     def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise OrbitError(f"config key 'dist.timeout_s' must be > 0, got {self.timeout_s}")
-        if self.prefetch_layers not in (0, 1):
-            raise OrbitError(f"config key 'dist.prefetch_layers' must be 0 or 1, got "
-                             f"{self.prefetch_layers}")
+        _require(self, "dist", ("timeout_s",), lambda v: v > 0, "> 0")
+        _require(self, "dist", ("prefetch_layers",), lambda v: v in (0, 1), "0 or 1")
 
 
 @dataclass

@@ -8,6 +8,7 @@ from orbitrl.data.datasets import task_rows
 from orbitrl.errors import OrbitError
 from orbitrl.rewards import RewardRunner
 from orbitrl.rewards.code import parse_tests
+from orbitrl.rl.evaluate import reward_fields
 
 
 def test_size_and_splits():
@@ -27,15 +28,19 @@ def test_size_and_splits():
 
 
 def test_every_reference_solution_passes_and_a_wrong_one_fails():
-    try:
-        runner = RewardRunner(["code"])
+    from orbitrl.config import SandboxSection
+    from orbitrl.rewards.sandbox import Sandbox
+
+    try:  # the runner starts its sandbox on first use: probe one here
+        Sandbox(SandboxSection())
     except OrbitError as e:
         pytest.skip(f"no sandbox here: {e}")
+    runner = RewardRunner(["code"])
     rows = code_rows("heldout") + code_rows("rl")
     for r in rows:
         parse_tests(r["tests"], r["name"])
         assert r["prompt"].endswith("```python\n")
-    fields = [{k: v for k, v in r.items() if k != "prompt"} for r in rows]
+    fields = [reward_fields(r, "prompt", "answer") for r in rows]
     res = runner([r["prompt"] for r in rows], [r["answer"] for r in rows], fields)
     failed = [r["name"] for r, s in zip(rows, res.per_source["code"]) if s != 1.0]
     assert not failed and not res.errors, (failed, res.errors)

@@ -30,19 +30,22 @@ def run(args) -> int:
     from orbitrl.engine import Engine, Request, SamplingParams
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.rewards import RewardRunner, RewardSource, get_reward
+    from orbitrl.rewards import RewardRunner
     from orbitrl.rl.evaluate import reward_fields
 
     torch.set_num_threads(1)
     path = resolve_model_path(args.model)
-    name = args.reward or TASK_REWARDS.get(args.task or "arith", "exact_match")
-    reward = get_reward(name)
+    task = args.task or "arith"
+    name = args.reward or TASK_REWARDS.get(task, "exact_match")
+    # one batch through the runner (a batch reward such as ``code`` scores every row in one
+    # sandbox pool); an unknown reward fails here, before the model loads
+    runner = RewardRunner([name], timeout_s=None)
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
         source = args.data
     else:
-        rows = task_rows(args.task or "arith", "heldout")
-        source = f"task {args.task or 'arith'} (held-out split)"
+        rows = task_rows(task, "heldout")
+        source = f"task {task} (held-out split)"
     if args.limit:
         rows = rows[:args.limit]
     model = load_model(path)
@@ -56,9 +59,8 @@ def run(args) -> int:
     outs = engine.generate([Request(prompt_ids=p) for p in prompts],
                            SamplingParams(n=1, max_tokens=args.max_tokens, temperature=0.0))
     texts = [o.samples[0].text if o.error is None else "" for o in outs]
-    # one batch through the runner (a batch reward such as ``code`` scores every row in one
-    # sandbox pool); a failing verifier is an error for that row, scored 0
-    res = RewardRunner([RewardSource(reward, name=name)], timeout_s=None)(
+    # a failing verifier is an error for that row, scored 0
+    res = runner(
         [r[args.prompt_field] for r in rows], texts,
         [reward_fields(r, args.prompt_field, args.answer_field) for r in rows])
     failed = {e.index: e.reason for e in res.errors}

@@ -42,7 +42,7 @@ def run(args) -> int:
         args.resume or args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
     try:
         summary = run_training(cfg, out, resume=bool(args.resume), dist=dist)
-    except (OrbitError, SystemExit, KeyboardInterrupt):
+    except OrbitError:  # (SystemExit and KeyboardInterrupt are not Exceptions)
         raise
     except Exception as e:
         if not dist.enabled or not _is_comm_error(e):
