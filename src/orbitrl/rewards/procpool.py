@@ -74,6 +74,23 @@ class _Running:
         self.open = 2
         self.verdict: tuple[str, str] | None = None  # set when we killed it
 
+    def feed(self, which: str, data: bytes, max_output: int) -> bool:
+        """Keep what the program wrote: stdout up to ``max_output`` (past it the program is
+        killed: True), stderr as its first byte and last STDERR_TAIL bytes, counted."""
+        if which == "out":
+            room = max_output - len(self.out)
+            self.out += data[:room]
+            if len(data) > room:
+                self.kill("output_limit", f"stdout past {max_output} bytes")
+                return True
+            return False
+        if not self.err_head:
+            self.err_head, data = data[:1], data[1:]
+        self.err_total += len(data)
+        self.err_tail += data
+        del self.err_tail[:-STDERR_TAIL]
+        return False
+
     def kill(self, status: str, reason: str) -> None:
         if self.verdict is None:
             self.verdict = (status, reason)
@@ -191,18 +208,9 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
                 if not data:
                     sel.unregister(key.fileobj)
                     r.open -= 1
-                elif which == "out":
-                    room = max_output - len(r.out)
-                    r.out += data[:room]
-                    if len(data) > room:
-                        r.kill("output_limit", f"stdout past {max_output} bytes")
                 else:
-                    if not r.err_head:
-                        r.err_head, data = data[:1], data[1:]
-                    r.err_total += len(data)
-                    r.err_tail += data
-                    del r.err_tail[:-STDERR_TAIL]
-                    if r.err_total > max_output:
+                    r.feed(which, data, max_output)
+                    if which == "err" and r.err_total > max_output:
                         r.kill("output_limit", f"stderr past {max_output} bytes")
             now = time.monotonic()
             for j, r in list(running.items()):
@@ -233,14 +241,5 @@ def _drain(r: _Running, max_output: int) -> None:
                 break
             if not data:
                 break
-            if which == "out":
-                room = max_output - len(r.out)
-                r.out += data[:room]
-                if len(data) > room:
-                    r.kill("output_limit", f"stdout past {max_output} bytes")
-                    break
-            else:
-                if not r.err_head:
-                    r.err_head, data = data[:1], data[1:]
-                r.err_tail += data
-                del r.err_tail[:-STDERR_TAIL]
+            if r.feed(which, data, max_output):
+                break
