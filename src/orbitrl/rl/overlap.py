@@ -114,9 +114,9 @@ class Overlap:
 
     def pending_snapshots(self) -> dict:
         """What a checkpoint must hold to continue deterministically: the snapshots the
-        next ``q`` rollouts sample from."""
+        next ``q`` rollouts sample from (``trained`` keeps exactly those)."""
         with self.cond:
-            return {k: v for k, v in self.snapshots.items() if k >= self.done - self.q}
+            return dict(self.snapshots)
 
     def stop(self):
         """Stop the producer (a rollout in flight is cancelled) and wait for it."""
