@@ -23,11 +23,28 @@ def test_defaults_and_overrides(tmp_path):
     ("rollout.n=2.5", "'rollout.n'"),
     ("nosuch.key=1", "'nosuch'"),
     ("novalue", "KEY=VALUE"),
+    ("algo.kl_horizon=0", "'algo.kl_horizon'"),
 ])
 def test_bad_override(override, needle):
     with pytest.raises(OrbitError) as e:
         load_config(None, [override])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_learning_rate_default_is_safe_and_the_builtin_model_tunes_its_own(tmp_path):
+    """1e-4 for any model; the shipped model's orbitrl.yaml raises it to 1e-3 under the
+    user's settings, which still win (file and --set)."""
+    assert load_config(None, ["model.path=/some/model"]).train.lr == 1e-4
+    assert load_config(None).train.lr == 1e-3
+    assert load_config(None, ["train.lr=3e-5"]).train.lr == 3e-5
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  path: /some/model\n")
+    assert load_config(f).train.lr == 1e-4
+    f.write_text("train:\n  lr: 2.0e-4\n")
+    assert load_config(f).train.lr == 2e-4
+    # a later layer naming another model drops the built-in model's settings
+    f.write_text("model:\n  path: builtin:tiny-arith\n")
+    assert load_config(f, ["model.path=/some/model"]).train.lr == 1e-4
 
 
 def test_unknown_key_in_file_names_file(tmp_path):

@@ -53,7 +53,7 @@ class TrainSection:
     mode: Literal["adapter", "full"] = "adapter"
     # auto: AdamW for adapters, the stateless fused AdaLomo-style update for full mode
     optimizer: Literal["auto", "adamw", "sgd", "adalomo"] = "auto"
-    lr: float = 1e-3
+    lr: float = 1e-4  # safe across models; the built-in model's orbitrl.yaml sets its own
     min_lr: float = 0.0
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -107,7 +107,8 @@ class AlgoSection:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
     adaptive_kl: bool = False
-    target_kl: float = 0.05
+    target_kl: float = 0.05  # adaptive KL: the per-token mean KL (kl_estimator) steered toward
+    kl_horizon: int = 1000  # adaptive KL: samples over which the coef moves by at most e^0.2
     tis_cap: float = 2.0
     epochs: int = 1
     gamma: float = 1.0  # PPO: GAE discount
@@ -118,6 +119,10 @@ class AlgoSection:
     anchor_refresh_steps: int = 200
     anchor_kl_threshold: float = 0.3
     check: bool = False  # assert RL invariants in the loop (KL 0 and ratio 1 at step 0)
+
+    def __post_init__(self):
+        _require(self, "algo", ("kl_horizon",), lambda v: v >= 1, ">= 1")
+        _require(self, "algo", ("target_kl",), lambda v: v > 0, "> 0")
 
 
 @dataclass
@@ -297,30 +302,45 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _read_yaml(p: Path) -> dict:
+    if not p.exists():
+        raise OrbitError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        at = f" (line {line + 1})" if line is not None else ""
+        raise OrbitError(f"{p}: not valid YAML{at}") from None
+    except UnicodeDecodeError:
+        raise OrbitError(f"{p}: not a text file") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise OrbitError(f"{p}: expected a YAML mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def builtin_run_settings(model_path: str) -> Path | None:
+    """The run settings a built-in model ships (``builtin/NAME/orbitrl.yaml``): the
+    defaults are chosen to be safe across models, and the shipped tiny model is tuned
+    apart (a larger learning rate, for one). None for any other model."""
+    if not str(model_path).startswith("builtin:"):
+        return None
+    f = Path(__file__).resolve().parent / "builtin" / str(model_path).split(":", 1)[1] / \
+        "orbitrl.yaml"
+    return f if f.is_file() else None
+
+
 def load_config(path: str | Path | None = None, overrides: Optional[list[str]] = None,
                 base: Optional[dict] = None) -> Config:
-    """Build a Config from defaults, then a YAML file (or ``base`` dict), then overrides."""
-    cfg = Config()
+    """Build a Config from defaults, then a built-in model's own settings (when the run's
+    model is built in), then ``base``, then a YAML file, then overrides."""
+    layers: list[tuple[dict, str]] = []
     if base:
-        _apply(cfg, base, "", "")
+        layers.append((base, ""))
     if path:
         p = Path(path)
-        if not p.exists():
-            raise OrbitError(f"{p}: config file not found")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            at = f" (line {line + 1})" if line is not None else ""
-            raise OrbitError(f"{p}: not valid YAML{at}") from None
-        except UnicodeDecodeError:
-            raise OrbitError(f"{p}: not a text file") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise OrbitError(f"{p}: expected a YAML mapping of sections, got "
-                             f"{type(data).__name__}")
-        _apply(cfg, data, "", str(p))
+        layers.append((_read_yaml(p), str(p)))
     for item in overrides or []:
         key, value = parse_override(item)
         nested: dict = {}
@@ -329,7 +349,18 @@ def load_config(path: str | Path | None = None, overrides: Optional[list[str]] =
         for part in parts[:-1]:
             cur = cur.setdefault(part, {})
         cur[parts[-1]] = value
-        _apply(cfg, nested, "", "--set")
+        layers.append((nested, "--set"))
+    model_path = BUILTIN_MODEL
+    for data, _ in layers:
+        m = data.get("model")
+        if isinstance(m, dict) and "path" in m:
+            model_path = m["path"]
+    tuned = builtin_run_settings(model_path)
+    if tuned is not None:
+        layers.insert(0, (_read_yaml(tuned), str(tuned)))
+    cfg = Config()
+    for data, source in layers:
+        _apply(cfg, data, "", source)
     _revalidate(cfg)
     return cfg
 

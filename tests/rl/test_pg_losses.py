@@ -176,7 +176,7 @@ def test_actor_loss_combines_terms():
 def test_kl_controllers():
     fixed = make_kl_controller("fixed")
     assert isinstance(fixed, FixedKLController) and fixed.update(5.0, 10) == 0.01
-    ctl = AdaptiveKLController(0.01, target=0.1, horizon=100)
+    ctl = AdaptiveKLController(0.01, target=0.1, horizon=100)  # 10 samples of 100
     # error 0.5 clipped to 0.2: x(1 + 0.2 * 10/100)
     assert ctl.update(0.15, 10) == pytest.approx(0.0102)
     # error -0.1: x(1 - 0.1 * 10/100)

@@ -55,14 +55,63 @@ def test_reward_that_raises_is_counted_and_training_continues():
     assert row["reward_test_always_raises_errors"] == 8
 
 
-def test_gradient_spike_is_skipped_and_state_restored():
+def test_gradient_spike_is_skipped_before_any_state_moves():
+    """A spiking step changes nothing: adapters, AdamW's moments and step count, the
+    guard's running mean, the policy version; its gradients are dropped, and the next
+    step trains from the last good state."""
     tr = make("reward.name=test_length")
     tr.step()
     before = adapters(tr)
+    opt_before = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                  for p, st in tr.opt.state.items()}
+    assert opt_before  # AdamW has moments after one applied step
     tr.guard.mean, tr.guard.count = 1e-12, 100  # any real norm is now a 5x spike
     row = tr.step()
-    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
+    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1 and tr.step_idx == 1
+    assert row["spike_layer"]
     assert all(torch.equal(a, b) for a, b in zip(before, adapters(tr)))
+    for p, st in tr.opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(opt_before[id(p)][k])), k
+    assert tr.guard.mean == 1e-12 and tr.guard.count == 100
+    assert all(p.grad is None for p in tr.policy.trainable)
+    tr.guard.mean = None  # the heartbeat forgets the spike: the next step is applied
+    row = tr.step()
+    assert row["step_skipped"] == 0 and tr.step_idx == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, adapters(tr)))
+
+
+def test_adaptive_kl_moves_the_coefficient_by_the_step_batch_over_the_horizon():
+    """Ziegler's rule counts samples: 8 per step over a horizon of 8 moves the coefficient
+    by the clipped error (+-20%) each step: KL 0 at step 0 lowers it, KL above target raises
+    it."""
+    tr = make("reward.name=test_length", "algo.adaptive_kl=true", "algo.target_kl=1e-9",
+              "algo.kl_horizon=8", "train.lr=1e-2")
+    row = tr.step()
+    assert row["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert row["kl_coef"] == pytest.approx(0.01 * 0.8)
+    row = tr.step()
+    assert row["kl"] > 1e-9
+    assert row["kl_coef"] == pytest.approx(0.01 * 0.8 * 1.2)
+
+
+def test_kl_in_reward_uses_the_configured_estimator(monkeypatch):
+    """Two runs identical up to the estimator: at the second step (the policy has moved),
+    the per-token KL penalty of k2 is k1^2 / 2 of the same tokens."""
+    import orbitrl.rl.trainer as T
+
+    seen = []
+    real = T.compute_advantages
+    monkeypatch.setattr(T, "compute_advantages",
+                        lambda *a: seen.append(a[4].clone()) or real(*a))
+    for est in ("k1", "k2"):
+        tr = make("reward.name=test_length", "algo.kl_in_reward=true", "train.lr=1e-2",
+                  f"algo.kl_estimator={est}")
+        tr.step()
+        tr.step()
+    k1, k2 = seen[1], seen[3]
+    assert k1.abs().sum() > 0 and (k1 < 0).any()  # k1 takes both signs, k2 does not
+    torch.testing.assert_close(k2, 0.5 * k1 * k1)
 
 
 def test_nan_loss_is_skipped(monkeypatch):

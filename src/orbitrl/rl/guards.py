@@ -1,11 +1,12 @@
 """Stability guards: a gradient-norm heartbeat and a last-good snapshot of trainable state.
 
 A step whose global gradient norm exceeds ``factor`` times the running mean of recent good
-norms (after a short warm-up), or whose loss/gradients are not finite, is skipped; the
-trainable tensors are then restored from the last good in-memory snapshot (for adapters a
-few MB; the fused full-parameter path vetoes the update before applying it instead, so no
-snapshot of the full weights is needed). Per-layer running statistics are kept so the
-layer that spiked can be named in the metrics.
+norms (after a short warm-up), or whose loss/gradients are not finite, is skipped. The check
+runs after backward and before anything is applied (adapters: before ``opt.step``; the fused
+full-parameter path: between its two passes), so the weights and optimizer moments stay the
+last good state and nothing has to be restored; the step's gradients are dropped. Per-layer
+running statistics are kept so the layer that spiked can be named in the metrics.
+``Snapshot`` keeps the adapters as of the last applied step, to measure each update's size.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def layer_grad_norms(named_params, reduce=None) -> dict[str, float]:
 
 
 class Snapshot:
-    """Last good copy of a list of tensors (the trainable adapters)."""
+    """Copy of a list of tensors (the trainable adapters) as of the last applied step."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
@@ -105,8 +106,3 @@ class Snapshot:
             sq = reduce(sq)
         d, w = math.sqrt(sq[0]), math.sqrt(sq[1])
         return {"update_norm": d, "update_rel": d / max(w, 1e-12)}
-
-    @torch.no_grad()
-    def restore(self):
-        for s, p in zip(self.saved, self.params):
-            p.copy_(s)

@@ -26,7 +26,7 @@ from orbitrl.rl.anchors import Anchors
 from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.guards import GradNormGuard, Snapshot, layer_grad_norms
-from orbitrl.rl.losses import make_kl_controller
+from orbitrl.rl.losses import kl_estimate, make_kl_controller
 from orbitrl.rl.policy import build_policy, pick_device
 from orbitrl.train.optim import is_fused
 from orbitrl.rl.step import actor_loss, compute_advantages, ppo_advantages, rollout
@@ -100,7 +100,8 @@ class RLTrainer:
         self.anchors = Anchors(self.model, self.policy.reference, cfg.algo.anchor_refresh_steps,
                                cfg.algo.anchor_kl_threshold)
         self.kl_ctl = make_kl_controller("adaptive" if cfg.algo.adaptive_kl else "fixed",
-                                         coef=cfg.algo.kl_coef, target=cfg.algo.target_kl)
+                                         coef=cfg.algo.kl_coef, target=cfg.algo.target_kl,
+                                         horizon=cfg.algo.kl_horizon)
         self.critic = self.critic_opt = None
         if cfg.algo.name == "ppo":
             from orbitrl.rl.critic import ValueHead
@@ -425,8 +426,10 @@ class RLTrainer:
                     ref = [score(ref_model, p, T) for p in parts]
         # the engine's logprobs against the trainer's recomputation, every sampled token
         mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()] for o, p in zip(old, parts)])
-        kl_full = _cat_padded([o - rf for o, rf in zip(old, ref)], full.mask.shape) \
-            if need_ref else None
+        # per-token KL to the reference with the configured estimator (the reward penalty,
+        # kl_in_reward, uses it as is; the step-0 check reads it)
+        kl_full = _cat_padded([kl_estimate(o, rf, algo.kl_estimator) for o, rf in zip(old, ref)],
+                              full.mask.shape) if need_ref else None
         if algo.check and self.step_idx == 0 and need_ref:
             k0 = float((kl_full.abs() * full.mask).max())
             tol = 1e-5 if cfg.train.mode == "adapter" else 5e-2
@@ -555,10 +558,8 @@ class RLTrainer:
                 if self.snapshot is not None:
                     out.update(self.snapshot.update_size(self.dist.all_sum))
                     self.snapshot.save()
-            else:
+            else:  # vetoed before opt.step: weights and moments are the last good state
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]
-                if self.snapshot is not None:
-                    self.snapshot.restore()
             self.opt.zero_grad(set_to_none=True)
         if fused and ok:
             self.guard.accept(norm)
@@ -577,7 +578,10 @@ class RLTrainer:
         if reason:
             out["anchor_refresh"] = reason
         out["anchor_refreshes"] = len(self.anchors.events)
-        self.kl_ctl.update(out.get("kl", 0.0), 1)
+        # the controller's horizon counts samples (Ziegler et al.): one step moves the
+        # coefficient by at most 0.2 x (the step's global batch / horizon)
+        r = self.cfg.rollout
+        self.kl_ctl.update(out.get("kl", 0.0), r.prompts_per_step * r.n)
         out["kl_coef"] = self.kl_ctl.value
         return out
 
