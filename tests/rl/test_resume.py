@@ -47,8 +47,12 @@ def kill_then_resume(run, kill_after_steps: int, *extra: str):
     while len(steps_logged(run)) < kill_after_steps and time.time() < deadline \
             and p.poll() is None:
         time.sleep(0.05)
+    # the kill must land on a live run that has not finished its steps
+    assert p.poll() is None, f"the run exited ({p.returncode}) before it could be killed"
+    assert kill_after_steps <= len(steps_logged(run)) < 6, steps_logged(run)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
+    assert p.returncode == -signal.SIGKILL
     r = subprocess.run(cmd("--resume", str(run)), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert steps_logged(run) == list(range(6))
@@ -73,12 +77,19 @@ def test_sigterm_writes_checkpoint_and_exits(tmp_path):
     deadline = time.time() + 300
     while len(steps_logged(run)) < 2 and time.time() < deadline:
         time.sleep(0.05)
+    assert p.poll() is None
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 143, out[-2000:]
     assert f"orbitrl train --resume {run}" in out
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "state.pt").exists()
+    # the checkpoint is the state after the last logged step (a step in flight was
+    # abandoned or finished, never half-applied)
+    from orbitrl.rl.checkpoint import Checkpointer
+
+    state = Checkpointer.load(run / "checkpoints" / latest)
+    assert state["iteration"] == len(steps_logged(run)) >= 2
 
 
 def test_torn_checkpoint_leaves_previous_intact(tmp_path):
@@ -114,3 +125,23 @@ def test_overlapped_sigkill_then_resume_is_bit_exact(reference_overlapped, tmp_p
     assert [r["staleness_max"] for r in rows][2:] == [1] * 4
     a, b = final_state(reference_overlapped), final_state(run)
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_progress_under_a_time_budget_counts_time_and_shows_what_is_left():
+    """With train.max_seconds the bar fills with the nearer limit and shows the time left;
+    the step count goes in the postfix (a 100000-step bar at 0% said nothing)."""
+    import io
+
+    from orbitrl.rl.run import Progress
+
+    bar = Progress(100000, 60.0, 0, disable=False)
+    bar.bar.fp = io.StringIO()
+    bar.t0 -= 15.0  # a quarter of the budget spent
+    bar.update(3, reward="0.5")
+    line = str(bar.bar)
+    assert "25%" in line and "step=3/100000" in line and "<" in line and "?" not in line
+    assert bar.bar.total == Progress.SCALE
+    steps = Progress(10, 0.0, 2, disable=False)  # no budget: steps against max_steps
+    steps.bar.fp = io.StringIO()
+    steps.update(5)
+    assert steps.bar.n == 5 and steps.bar.total == 10

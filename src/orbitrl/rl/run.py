@@ -42,13 +42,11 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
 
     ``dist``: this process's :class:`orbitrl.dist.env.Dist` under torchrun (every rank
     runs this function; rank 0 alone writes metrics, summary and the final policy)."""
-    from tqdm import tqdm
-
     from orbitrl.dist.env import Dist
     from orbitrl.dist.metrics import reduce_row
     from orbitrl.rewards import get_reward
     from orbitrl.rl.checkpoint import Checkpointer, resume_from
-    from orbitrl.rl.trainer import RLTrainer
+    from orbitrl.rl.trainer import RLTrainer, StepAbandoned
 
     dist = dist or Dist()
     main = dist.is_main
@@ -93,9 +91,13 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict()) \
         if main else _NoWriter()
     stop = _StopSignals()
+    if not dist.enabled and not cfg.rollout.overlap:
+        # a stop request abandons the step in flight (minutes on a real model on CPUs);
+        # overlapped, the producer is cancelled on close and the trained step finishes
+        trainer.should_stop = lambda: stop.signal is not None
     budget, t_loop = cfg.train.max_seconds, time.perf_counter()
-    bar = tqdm(total=cfg.train.max_steps, initial=trainer.iteration, desc="train", unit="step",
-               file=sys.stderr, disable=not (cfg.log.progress and main), dynamic_ncols=True)
+    bar = Progress(cfg.train.max_steps, budget, trainer.iteration,
+                   disable=not (cfg.log.progress and main))
     stopped = "max_steps"
 
     def extra():
@@ -117,11 +119,12 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
             external.write(row)
             rewards.append(row["reward_mean"])
             recent = rewards[-20:]
-            bar.set_postfix(reward=f"{sum(recent) / len(recent):.3f}",
-                            kl=f"{row.get('kl', 0.0):.4f}")
-            bar.update(1)
+            bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
+                       kl=f"{row.get('kl', 0.0):.4f}")
             if cfg.checkpoint.every and trainer.iteration % cfg.checkpoint.every == 0:
                 ckpt.save(trainer, extra())
+    except StepAbandoned:
+        stopped = stop.signal or "SIGTERM"
     except KeyboardInterrupt:
         stopped = "SIGINT"
     finally:
@@ -165,6 +168,44 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     return summary
 
 
+class Progress:
+    """The run's bar. Without a time budget: steps against ``train.max_steps``. With
+    ``train.max_seconds``: the share of whichever limit is nearer, so the bar fills as the
+    run nears its end and tqdm's rate and ETA read as the time left; steps done and steps
+    per second go in the postfix."""
+
+    SCALE = 1000
+
+    def __init__(self, max_steps: int, budget_s: float, start_step: int, disable: bool):
+        from tqdm import tqdm
+
+        self.max_steps, self.budget_s, self.start = max_steps, budget_s, start_step
+        self.t0 = time.perf_counter()
+        if budget_s:
+            self.bar = tqdm(total=self.SCALE, desc="train", file=sys.stderr, disable=disable,
+                            dynamic_ncols=True, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                            "[{elapsed}<{remaining}{postfix}]")
+        else:
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
+                            file=sys.stderr, disable=disable, dynamic_ncols=True)
+
+    def update(self, step: int, **postfix):
+        """After a step: ``step`` steps done in all (a resumed run counts its earlier ones)."""
+        if not self.budget_s:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
+        elapsed = time.perf_counter() - self.t0
+        frac = min(1.0, max(step / max(1, self.max_steps), elapsed / self.budget_s))
+        rate = (step - self.start) / max(elapsed, 1e-9)
+        self.bar.set_postfix({"step": f"{step}/{self.max_steps}", "steps/s": f"{rate:.2f}",
+                              **postfix}, refresh=False)
+        self.bar.update(round(frac * self.SCALE) - self.bar.n)
+
+    def close(self):
+        self.bar.close()
+
+
 def _quiet(*_args, **_kw):
     pass
 
@@ -180,7 +221,9 @@ class _NoWriter:
 
 
 class _StopSignals:
-    """SIGTERM ends the loop after the current step (then a checkpoint is written)."""
+    """SIGTERM ends the loop: the step in flight is abandoned where nothing has been applied
+    yet (between decode steps, before scoring, between micro-batches), or finishes where
+    an update is already applying; then the consistent state is checkpointed, exit 143."""
 
     def __init__(self):
         self.signal = None

@@ -58,6 +58,11 @@ def seed_everything(seed: int, deterministic: bool = False):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+class StepAbandoned(Exception):
+    """A stop request (``RLTrainer.should_stop``, SIGTERM) ended the step in flight before
+    anything was applied; the trainer is as it was before the step."""
+
+
 class RLTrainer:
     """Holds the run's state (policy, engine, optimizer, anchors, guards, data position)."""
 
@@ -120,6 +125,10 @@ class RLTrainer:
         self._resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._data_trained = None  # overlapped: (data_pos, order) as of the trained steps
         self._last_step_end: float | None = None
+        # polled between decode steps and micro-batches: True abandons the step in flight
+        # (run.py sets it from SIGTERM on one process; ranks under torchrun stop together
+        # at step boundaries instead, since a rank leaving mid-step would hang the others)
+        self.should_stop = lambda: False
         self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len,
                                              devices=self.dist.world)
         self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
@@ -225,9 +234,15 @@ class RLTrainer:
             return self._step_overlapped()
         t_step = time.perf_counter()
         timer = self.mem.timer()  # a PhaseTimer that also measures each phase's peak
-        batch = self.produce(self.iteration, self.step_idx, timer=timer)
-        self._data_trained = None
-        return self._consume(batch, timer, t_step)
+        position = (self.data_pos, list(self.order))
+        try:
+            batch = self.produce(self.iteration, self.step_idx, timer=timer)
+            self._data_trained = None
+            return self._consume(batch, timer, t_step)
+        except StepAbandoned:  # nothing was applied: the step's prompts come again
+            self.data_pos, self.order = position
+            self.opt.zero_grad(set_to_none=True)
+            raise
 
     def _step_overlapped(self) -> dict:
         from orbitrl.rl.overlap import Overlap
@@ -288,16 +303,16 @@ class RLTrainer:
         return batch
 
     def _engine_hook(self, cancel):
-        gov = self.governor
-        if cancel is None:
-            return gov
+        """Before each engine step: the producer thread's cancel (overlapped mode) or a stop
+        request abandons the rollout; then the KV governor."""
+        gov, stop = self.governor, cancel or self.should_stop
 
         def hook(engine):
-            if cancel():
+            if stop():
                 from orbitrl.rl.overlap import Cancelled
 
                 engine.scheduler.abort_all()
-                raise Cancelled()
+                raise Cancelled() if cancel is not None else StepAbandoned()
             if gov is not None:
                 gov(engine)
         return hook
@@ -341,6 +356,8 @@ class RLTrainer:
 
             keep = dynamic_sampling_mask(rewards, r.n)
             row["dropped_groups"] = int((~keep).sum()) // r.n
+        if self.should_stop():
+            raise StepAbandoned()
         with timer.phase("score"):
             ctx = self._score(samples, rewards, keep)
         if self.dist.any(ctx is not None) and ctx is None:  # others train: join them
@@ -474,6 +491,11 @@ class RLTrainer:
                 if k >= len(parts):
                     self._idle_micro_batch(fused)
                     continue
+                # a stop request leaves before the next micro-batch while nothing is applied
+                # yet (a fused update and the critic's step apply as they go)
+                if not fused and (self.critic is None or (k == 0 and epoch == 0)) \
+                        and self.should_stop():
+                    raise StepAbandoned()
                 p = parts[k]
                 a, b = offsets[k], offsets[k + 1]
                 T_k = p.mask.shape[1]
