@@ -5,7 +5,14 @@ startup dominates and the sandbox's ``python -S`` skips the site import. Every r
 same trivial program (read a line, print it back) the same number of times, with the same
 parallelism (one worker per core) and the same pipes, measured side by side in one run.
 
-Second table: how long a hostile program (a busy loop, a fork bomb) runs before the
+Second table: the built-in code task (every problem's reference solution against its
+tests), programs per second with the hardened harness (assert tests judged outside the
+program from probe values, the fallback's covered directories, a memory cgroup per slot
+where the machine allows one) against the earlier form (asserts appended to the program,
+exit status 0 = passed, no cgroup, nothing covered on the fallback), side by side per
+backend.
+
+Third table: how long a hostile program (a busy loop, a fork bomb) runs before the
 sandbox kills it, against the time limit (1 s here): the bound the tests used to assert.
 
     PYTHONPATH=src python benchmarks/bench_sandbox.py [--n 100] [--rounds 3] [--workers 0]
@@ -53,6 +60,48 @@ def sandboxed(backend: str, n: int, workers: int) -> tuple[float, str] | None:
     bad = [r for r in res if r.status != "ok" or r.stdout != b"7\n"]
     assert not bad, bad[0]
     return rate, box.python.executable
+
+
+def code_task(backend: str, workers: int, form: str, rounds: int) -> float | None:
+    """Programs/s over the built-in code task's reference solutions (all must pass)."""
+    from orbitrl.data.code_tasks import PROBLEMS
+    from orbitrl.rewards.code import parse_tests
+
+    try:
+        box = Sandbox(SandboxSection(backend=backend, workers=workers))
+    except OrbitError:
+        return None
+    if form != "hardened":
+        box.cgroups = None
+    if form == "earlier":
+        box.cover = {"tmp": [], "hide": []}
+    jobs = []
+    for name, (_, tests, solution) in PROBLEMS.items():
+        for t, raw in zip(parse_tests(tests, name), tests):
+            if t.check is None:
+                jobs.append(Job(solution, t.input.encode()))
+            elif form == "earlier":  # the old harness: the assert runs inside, exit 0 passes
+                jobs.append(Job(f"{solution}\n\n{raw['assert']}\n"))
+            else:
+                jobs.append(Job(solution, b"", t.check.probes))
+    rates = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        res = box.run_many(jobs)
+        rates.append(len(jobs) / (time.perf_counter() - t0))
+        bad = [r for r in res if r.status != "ok"]
+        assert not bad, bad[0]
+    return statistics.median(rates)
+
+
+def code_task_table(backends: list[str], workers: int, rounds: int) -> None:
+    print("\n| built-in code task, reference solutions | backend | programs/s | ratio to earlier |")
+    print("|---|---|---|---|")
+    for backend in backends:
+        rates = {form: code_task(backend, workers, form, rounds)
+                 for form in ("earlier", "probes, no cgroup", "hardened")}
+        for form, r in rates.items():
+            print(f"| {form} | {backend} | {r:.1f} | {r / rates['earlier']:.2f} |")
 
 
 HOSTILE = {"busy loop": "while True:\n    pass",
@@ -105,6 +154,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, r in rate.items():
         print(f"| {name} | {r:.1f} | {r / base:.2f} |")
+    code_task_table(backends, workers, args.rounds)
     time_to_kill(backends, args.rounds)
 
 

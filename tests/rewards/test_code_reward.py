@@ -49,6 +49,10 @@ def test_extract_program_cuts_at_eos():
     ([{"input": "1", "output": "2"}, {"input": "1"}], "tests[1]"),
     ([{"assert": ""}], "tests[0]"),
     ([{"input": 1, "output": "2"}], "tests[0]"),
+    ([{"assert": "x = f(1)\nassert x == 2"}], "tests[0]: expected only assert"),
+    ([{"assert": "assert 1 == 1"}], "does not call the program"),
+    ([{"assert": "assert all(f(x) == 2 * x for x in range(3))"}], "one assert per input"),
+    ([{"assert": "assert f(1) ==="}], "tests[0]: not valid Python"),
 ])
 def test_malformed_tests_are_one_line_errors(value, needle):
     with pytest.raises(OrbitError) as e:
@@ -58,7 +62,8 @@ def test_malformed_tests_are_one_line_errors(value, needle):
 
 def test_parse_tests_accepts_json_and_both_kinds():
     ts = parse_tests('[{"input": "1\\n", "output": "2"}, {"assert": "assert f() == 1"}]')
-    assert (ts[0].input, ts[0].output, ts[1].check) == ("1\n", "2", "assert f() == 1")
+    assert (ts[0].input, ts[0].output, ts[1].check.source) == ("1\n", "2", "assert f() == 1")
+    assert ts[1].check.probes == ("f()",)  # only the call enters the sandbox, not the 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -196,3 +201,16 @@ def test_rlimits_backend_still_bounds_time_memory_output():
     res = box.run_many([Job("print(42)"), Job("while True: pass"),
                         Job("x = bytearray(20 * 2**30)"), Job("print('x' * 10**7)")])
     assert [x.status for x in res] == ["ok", "time_limit", "memory", "output_limit"]
+
+
+def test_fallback_gaps_are_a_one_line_warning_once(capsys, monkeypatch):
+    """Running on the unshare fallback names its gaps once per process, in one line each."""
+    import orbitrl.rewards.sandbox as S
+
+    monkeypatch.setattr(S, "_WARNED", set())
+    box = sandbox("unshare")
+    S._warn_once(box)
+    S._warn_once(box)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == (1 if box.cgroups is not None else 2)
+    assert all(x.startswith("orbitrl: warning:") and "docs/sandbox.md" in x for x in lines)

@@ -6,7 +6,12 @@ string of a list, of
 
 - ``{"input": "3 4\\n", "output": "7\\n"}``: stdin in, stdout compared after trimming
   trailing whitespace on every line and trailing blank lines;
-- ``{"assert": "assert add(3, 4) == 7"}``: appended to the program; passes if it exits 0.
+- ``{"assert": "assert add(3, 4) == 7"}``: the program runs, then the harness evaluates
+  the calls into its code (``add(3, 4)``) and reports their values as plain data; the
+  comparison (``== 7``) runs here, outside the candidate's process (rewards/probes.py).
+
+The candidate's exit status never means "passed": an assert test passes only on the right
+values, a stdin/stdout test only on the right output of a clean run.
 
 Scores are deterministic for deterministic programs: no test depends on timing unless it
 runs into a limit, and the hash seed is fixed.
@@ -26,6 +31,7 @@ from typing import Any
 
 from orbitrl.config import RewardSection, SandboxSection
 from orbitrl.errors import OrbitError
+from orbitrl.rewards.probes import AssertTest, judge_record, parse_assert
 from orbitrl.rewards.registry import register
 from orbitrl.rewards.sandbox import Job, RunResult, Sandbox
 from orbitrl.rewards.verifiers import cut_at_eos
@@ -45,7 +51,7 @@ class TestCase:
 
     input: str = ""
     output: str | None = None
-    check: str | None = None
+    check: AssertTest | None = None
 
 
 @dataclass
@@ -121,7 +127,7 @@ def parse_tests(value: Any, where: str = "tests") -> list[TestCase]:
             raise OrbitError(f"{where}[{i}]: expected an object, got {type(t).__name__}")
         keys = set(t)
         if keys == {"assert"} and isinstance(t["assert"], str) and t["assert"].strip():
-            out.append(TestCase(check=t["assert"]))
+            out.append(TestCase(check=parse_assert(t["assert"], f"{where}[{i}]")))
         elif keys == {"input", "output"} and all(isinstance(t[k], str) for k in keys):
             out.append(TestCase(input=t["input"], output=t["output"]))
         else:
@@ -137,10 +143,13 @@ def _normalize(text: str) -> str:
 def judge(test: TestCase, res: RunResult) -> tuple[str, str]:
     """(status, reason) of one test: ``ok`` when it passed, ``wrong`` when the program ran
     cleanly but printed something else, else the run's status."""
+    if test.check is not None:
+        passed, why = judge_record(test.check, res.stdout)
+        if passed:  # the values are right, whatever the process did after reporting them
+            return "ok", ""
+        return (res.status, res.reason) if res.status != "ok" else ("wrong", why)
     if res.status != "ok":
         return res.status, res.reason
-    if test.check is not None:
-        return "ok", ""
     got = _normalize(res.stdout.decode("utf-8", "replace"))
     if got == _normalize(test.output or ""):
         return "ok", ""
@@ -200,8 +209,8 @@ class CodeReward:
                 continue
             program = extract_program(completion, row.get("eos_text"))
             for t in tests:
-                src = program if t.check is None else f"{program}\n\n{t.check}\n"
-                jobs.append(Job(src, t.input.encode()))
+                jobs.append(Job(program, t.input.encode(),
+                                None if t.check is None else t.check.probes))
                 plan.append((i, t))
         results = self.sandbox.run_many(jobs) if jobs else []
         counts = {k: 0 for k in OUTCOMES.values()}

@@ -21,6 +21,9 @@ from typing import Callable
 STDERR_TAIL = 2048
 # how often a process whose pipes are closed, or that is silent, is checked for exit
 _POLL_S = 0.02
+# after a kill, how long the pool keeps reading a run's pipes while its wrapper exits (a
+# wrapper that reports the kill on a full stderr pipe would otherwise block on it)
+_GRACE_S = 1.0
 
 
 @dataclass
@@ -57,6 +60,9 @@ class Launch:
     proc: subprocess.Popen
     cleanup: Callable[[], None] | None = None
     wrapped: bool = False
+    # after the process is reaped: a (status, reason) that outranks its exit code (an OOM
+    # kill in its memory cgroup reads as SIGKILL otherwise), or None
+    explain: Callable[[], tuple[str, str] | None] | None = None
 
 
 # (returncode, stderr, time_limit_s) -> (status, reason) for a process that exited by itself
@@ -73,6 +79,7 @@ class _Running:
         self.err_total = 0
         self.open = 2
         self.verdict: tuple[str, str] | None = None  # set when we killed it
+        self.killed_by = 0.0  # after a kill: when to stop waiting for the pipes to close
 
     def feed(self, which: str, data: bytes, max_output: int) -> bool:
         """Keep what the program wrote: stdout up to ``max_output`` (past it the program is
@@ -81,7 +88,8 @@ class _Running:
             room = max_output - len(self.out)
             self.out += data[:room]
             if len(data) > room:
-                self.kill("output_limit", f"stdout past {max_output} bytes")
+                if self.verdict is None:
+                    self.kill("output_limit", f"stdout past {max_output} bytes")
                 return True
             return False
         if not self.err_head:
@@ -94,6 +102,7 @@ class _Running:
     def kill(self, status: str, reason: str) -> None:
         if self.verdict is None:
             self.verdict = (status, reason)
+            self.killed_by = time.monotonic() + _GRACE_S
         pid = self.launch.proc.pid
         kids = _children(pid) if self.launch.wrapped else []
         for kid in kids:
@@ -163,17 +172,18 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
                 pass
         if r.verdict is None and not r.launch.wrapped:  # exited: stragglers of its group go too
             _killpg(proc.pid)
+        for pipe in (proc.stdout, proc.stderr):  # drained: a writer left gets EPIPE, not a block
+            pipe.close()
         try:
             rc = proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:  # a wrapper that did not exit after its child died
             _killpg(proc.pid)
             rc = proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            pipe.close()
         if r.launch.cleanup:
             r.launch.cleanup()
         stderr = r.err_head + bytes(r.err_tail)
-        status, reason = r.verdict or classify(rc, stderr, time_limit_s)
+        status, reason = r.verdict or (r.launch.explain and r.launch.explain()) \
+            or classify(rc, stderr, time_limit_s)
         results[j] = RunResult(status, reason, rc, bytes(r.out), stderr,
                                time.monotonic() - r.start)
         del running[j]
@@ -198,7 +208,8 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
             if not running:
                 break
             now = time.monotonic()
-            wait = min(_POLL_S, end - now, *(r.wall_end - now for r in running.values()))
+            wait = min(_POLL_S, end - now, *(r.wall_end - now for r in running.values()
+                                             if r.verdict is None))
             for key, _ in sel.select(max(0.0, wait)):
                 r, which = key.data
                 try:
@@ -210,7 +221,7 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
                     r.open -= 1
                 else:
                     r.feed(which, data, max_output)
-                    if which == "err" and r.err_total > max_output:
+                    if which == "err" and r.err_total > max_output and r.verdict is None:
                         r.kill("output_limit", f"stderr past {max_output} bytes")
             now = time.monotonic()
             for j, r in list(running.items()):
@@ -218,7 +229,14 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
                     r.kill("deadline", f"batch deadline ({deadline_s:g} s)")
                 elif r.verdict is None and now >= r.wall_end:
                     r.kill("time_limit", f"wall time limit ({time_limit_s:g} s)")
-                if r.verdict is not None or r.open == 0 or r.launch.proc.poll() is not None:
+                exited = r.launch.proc.poll() is not None
+                if r.verdict is not None:
+                    # killed: keep reading its pipes (the loop above) until the wrapper has
+                    # exited and they close, so nothing it writes on the way out can block
+                    if (exited and r.open == 0) or now >= r.killed_by:
+                        _drain(r, max_output)
+                        finish(j, r)
+                elif r.open == 0 or exited:
                     _drain(r, max_output)
                     finish(j, r)
         for j in queue:

@@ -36,6 +36,7 @@ printing a gigabyte costs at most that much host memory.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import shutil
@@ -43,21 +44,42 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass
 
 from orbitrl.config import SandboxSection
 from orbitrl.errors import OrbitError
+from orbitrl.rewards.cgroup import SlotCgroups
+from orbitrl.rewards.probes import HARNESS_PROBES, RECORD
 from orbitrl.rewards.procpool import Launch, RunResult, run_pool
 
 # exit code of the harness when the program ran out of address space (MemoryError)
 EXIT_MEMORY = 86
 MARKER = b"\x1e"
 
-# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1);
-# as init it forks the program and reports its status the way a shell does (128 + signal)
+# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1), the
+# directories to cover (fallback: "tmp" ones get a private size-capped tmpfs, "hide" ones an
+# empty read-only one; JSON), and for an assert test the JSON list of probes
+# (rewards/probes.py). As init it forks the program and reports its status the way a shell
+# does (128 + signal). The marker byte goes out once the sandbox is set up.
 _HARNESS = r"""
-import os, sys, resource as R
+import os, sys, ctypes, resource as R, json as _json
 uid, nproc, cpu, mem, fsize, nofile, fork = map(int, sys.argv[1:8])
+_cover = _json.loads(sys.argv[8])
+_probes = _json.loads(sys.argv[9]) if len(sys.argv) > 9 else None
+RECORD = %r
+_libc = ctypes.CDLL(None, use_errno=True)
+for _kind, _dirs in sorted(_cover.items()):  # "hide" first: a hidden dir may be in /tmp
+    for _d in _dirs:
+        _opts = ("size=%%d,mode=1777" %% fsize) if _kind == "tmp" else "size=4k,mode=0555"
+        if _libc.mount(b"tmpfs", _d.encode(), b"tmpfs", 1 if _kind == "hide" else 0,
+                       _opts.encode()) != 0:
+            os.write(2, ("cannot mount a tmpfs on %%s: %%s\n" %% (
+                _d, os.strerror(ctypes.get_errno()))).encode())
+            os._exit(70)
+if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
+    os.write(2, b"cannot set no_new_privs\n")
+    os._exit(71)
 os.write(2, b"\x1e")
 if fork and os.getpid() == 1:
     pid = os.fork()
@@ -66,29 +88,37 @@ if fork and os.getpid() == 1:
         os._exit(128 + os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st))
 if uid >= 0 and os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
+_keyctl = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+if _keyctl:  # KEYCTL_CLEAR the slot uid's keyrings: nothing passes to the next program
+    for _ring in (-4, -5):  # user, user-session
+        _libc.syscall(_keyctl, 7, _ring)
 for k, v in ((R.RLIMIT_CPU, (cpu, cpu + 1)), (R.RLIMIT_AS, (mem, mem)),
              (R.RLIMIT_FSIZE, (fsize, fsize)), (R.RLIMIT_NOFILE, (nofile, nofile)),
              (R.RLIMIT_NPROC, (nproc, nproc)), (R.RLIMIT_CORE, (0, 0))):
     R.setrlimit(k, v)
-del uid, nproc, cpu, mem, fsize, nofile, fork, k, v, R
+del uid, nproc, cpu, mem, fsize, nofile, fork, k, v, R, _cover, _libc
 sys.argv = ["main.py"]
 with open("main.py", "rb") as f:
     src = f.read()
 g = {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__}
 try:
     exec(compile(src, "main.py", "exec"), g)
+    if _probes is not None:
+%s
 except MemoryError:
     os.write(2, b"MemoryError\n")
     os._exit(86)
-"""
+""" % (RECORD, textwrap.indent(HARNESS_PROBES.strip("\n"), " " * 8))
 
 
 @dataclass
 class Job:
-    """One program run: its source and what it reads on stdin."""
+    """One program run: its source, what it reads on stdin, and for an assert test the
+    expressions whose values the harness reports after the program ran (probes.py)."""
 
     source: str
     stdin: bytes = b""
+    probes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +144,10 @@ class Sandbox:
         self.workers = self.cfg.workers or os.cpu_count() or 1
         self.as_root = os.geteuid() == 0
         self.python = _find_python(self.cfg.python, self.as_root)
+        self.cover = _fallback_cover(self.python)
+        self.cgroups = SlotCgroups.create(
+            self.workers, self.cfg.memory_mb << 20,
+            [self.cfg.uid_base + k if self.as_root else -1 for k in range(self.workers)])
         order = ["bwrap", "unshare"] if self.cfg.backend == "auto" else [self.cfg.backend]
         problems = []
         for backend in order:
@@ -126,6 +160,7 @@ class Sandbox:
             raise OrbitError(f"config key 'reward.sandbox.backend' ({self.cfg.backend}): no "
                              f"working sandbox ({'; '.join(problems)}); install bubblewrap, "
                              f"or set reward.sandbox.backend=rlimits to run without namespaces")
+        _warn_once(self)
 
     def run(self, job: Job) -> RunResult:
         """Run one program (see run_many)."""
@@ -158,12 +193,17 @@ class Sandbox:
                    str(uid), str(c.max_procs), str(max(1, math.ceil(c.time_limit_s))),
                    str(c.memory_mb << 20), str(c.file_mb << 20), str(c.open_files)]
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
+        cover = json.dumps(self.cover if backend == "unshare" else {})
+        tail = [cover] + ([] if job.probes is None else [json.dumps(list(job.probes))])
+        cg = self.cgroups
+        enter = (lambda argv: cg.wrap(slot, argv)) if cg else (lambda argv: argv)
+        ooms = cg.oom_kills(slot) if cg else 0
         stdin = _memfile(job.stdin)
         workdir = None
         try:
             if backend == "bwrap":
                 prog = _memfile(job.source.encode())
-                argv = self._bwrap_argv(prog, uid) + harness + ["1"]
+                argv = enter(self._bwrap_argv(prog, uid) + harness + ["1"] + tail)
                 user = dict(user=uid, group=uid, extra_groups=[]) if self.as_root else {}
                 try:
                     proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE,
@@ -179,7 +219,7 @@ class Sandbox:
                     for p in (workdir, os.path.join(workdir, "main.py")):
                         os.chown(p, uid, uid)
                 prefix = _unshare_prefix(self.as_root) if backend == "unshare" else []
-                proc = subprocess.Popen(prefix + harness + ["1" if prefix else "0"],
+                proc = subprocess.Popen(enter(prefix + harness + ["1" if prefix else "0"] + tail),
                                         stdin=stdin, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, cwd=workdir,
                                         start_new_session=True)
@@ -194,7 +234,12 @@ class Sandbox:
                 _kill_uid(uid, self.python.executable)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
-        return Launch(proc, cleanup, wrapped=backend != "rlimits")
+
+        def explain() -> tuple[str, str] | None:
+            if cg and cg.oom_kills(slot) > ooms:
+                return "memory", f"out of memory (memory cgroup, {c.memory_mb} MB)"
+            return None
+        return Launch(proc, cleanup, wrapped=backend != "rlimits", explain=explain)
 
     def _bwrap_argv(self, prog_fd: int, uid: int) -> list[str]:
         c = self.cfg
@@ -211,13 +256,33 @@ class Sandbox:
                 argv += ["--ro-bind", d, d]
         for d in self.python.binds:
             argv += ["--ro-bind", d, d]
-        for d in self.python.hidden:
-            argv += ["--tmpfs", d]
+        for d in self.python.hidden:  # empty and read-only
+            argv += ["--size", "4096", "--tmpfs", d, "--remount-ro", d]
+        # every writable mount is size-capped: /tmp, the work dir and /dev/shm at file_mb;
+        # the root and /dev (bwrap's own tmpfs) are read-only once built
         argv += ["--ro-bind", self.python.executable, self.python.executable,
-                 "--dev", "/dev", "--proc", "/proc",
+                 "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--proc", "/proc",
                  "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/sandbox",
-                 "--file", str(prog_fd), "/sandbox/main.py", "--chdir", "/sandbox", "--"]
+                 "--file", str(prog_fd), "/sandbox/main.py", "--chdir", "/sandbox",
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--"]
         return argv
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(box: "Sandbox") -> None:
+    """One line on stderr, once per process and kind, for the gaps docs/sandbox.md lists."""
+    gaps = []
+    if box.backend != "bwrap":
+        gaps.append(f"the {box.backend} sandbox shows programs the host file system "
+                    f"(world-readable files, unix sockets outside /tmp and /run)")
+    if box.cgroups is None:
+        gaps.append("no memory cgroup, so shared memory is not bounded by memory_mb")
+    for gap in gaps:
+        if gap not in _WARNED:
+            _WARNED.add(gap)
+            print(f"orbitrl: warning: {gap}; see docs/sandbox.md", file=sys.stderr)
 
 
 def _classify(rc: int, stderr: bytes, time_limit_s: float) -> tuple[str, str]:
@@ -270,8 +335,29 @@ def _memfile(data: bytes) -> int:
 
 
 def _unshare_prefix(as_root: bool) -> list[str]:
-    """unshare(1): new network and pid namespaces; without root, a user namespace too."""
-    return ["unshare", "--net", "--pid", "--fork", "--kill-child"] + ([] if as_root else ["-r"])
+    """unshare(1): new network, pid (with its own /proc), IPC and mount namespaces; without
+    root, a user namespace too. In the mount namespace the harness covers the host's
+    writable and socket directories and the task data (``_fallback_cover``)."""
+    return ["unshare", "--net", "--pid", "--fork", "--kill-child", "--ipc", "--mount",
+            "--mount-proc"] + ([] if as_root else ["-r"])
+
+
+def _fallback_cover(python: _Python) -> dict[str, list[str]]:
+    """Directories the unshare fallback covers: world-writable and socket directories get a
+    private size-capped tmpfs ("tmp"); orbitrl's own package (the built-in tasks' answers)
+    and the working directory of the run (its data and run directory) an empty read-only
+    one ("hide"), unless the interpreter lives under it; /sys too."""
+    tmp = [d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run")
+           if os.path.isdir(d) and not os.path.islink(d)]
+    needed = [python.executable, *python.binds]
+    hide = []
+    for d in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.getcwd()):
+        d = os.path.realpath(d)
+        if d.count(os.sep) >= 2 and d not in hide and d not in tmp and \
+                not any(n == d or n.startswith(d + os.sep) for n in needed):
+            hide.append(d)
+    hide += [d for d in ("/sys",) if os.path.isdir(d)]  # cgroup files, devices: not needed
+    return {"tmp": tmp, "hide": hide}
 
 
 def _world_usable(path: str) -> bool:
