@@ -58,7 +58,13 @@ class TrainSection:
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     weight_decay: float = 0.0
-    max_grad_norm: float = 0.3
+    max_grad_norm: float = 0.3  # global clip: AdamW, and fused updates with clip=global
+    # grouped (AdaLomo's own scheme): one forward + backward, each tensor's update normalized
+    # by its own RMS, no global clip; updates stop at the first tensor whose gradient is
+    # non-finite or passes 5x its running norm (tensors updated before it keep their change).
+    # global: exact global clip at max_grad_norm by a second forward + backward (about 2x
+    # the step); a spiking step is skipped before anything changes.
+    clip: Literal["auto", "grouped", "global"] = "auto"  # auto: grouped for adalomo (1 pass), global for sgd (2)
     max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
     micro_batch_tokens: int = 4096
@@ -67,6 +73,15 @@ class TrainSection:
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
     seed: int = 0
     deterministic: bool = False
+
+    def __post_init__(self):
+        opt = self.optimizer
+        if opt == "auto":
+            opt = "adamw" if self.mode == "adapter" else "adalomo"
+        if self.clip == "grouped" and opt != "adalomo":
+            raise OrbitError(f"config key 'train.clip' must be global or auto with optimizer "
+                             f"{opt} (grouped relies on AdaLomo's per-tensor update "
+                             f"normalization), got grouped")
 
 
 @dataclass

@@ -34,16 +34,22 @@ def _loss(m, ids):
 
 
 def check_fused_optimizers(d: Dist):
-    """FusedSGD / FusedAdaLomo on FSDP2 shards (each rank half the batch, gradients summed)
-    against the same optimizer on the whole model with the whole batch, 3 steps."""
+    """FusedSGD / FusedAdaLomo (two-pass global clip, and AdaLomo's one-pass grouped
+    normalization with its per-tensor spike check) on FSDP2 shards (each rank half the
+    batch, gradients summed) against the same optimizer on the whole model with the whole
+    batch, 3 steps."""
     from orbitrl.dist.fsdp import shard_model
-    from orbitrl.train.optim import FusedAdaLomo, FusedSGD
+    from orbitrl.train.optim import build_optimizer
 
-    for cls, lr in ((FusedSGD, 0.5), (FusedAdaLomo, 1e-2)):
+    for name, lr, clip in (("sgd", 0.5, "global"), ("adalomo", 1e-2, "global"),
+                           ("adalomo", 1e-2, "grouped")):
+        tag = f"{name}/{clip}"
         ref, sh = _model(), _model()
         shard_model(sh, d)
-        o_ref = cls(list(ref.parameters()), lr=lr, max_grad_norm=0.3)
-        o_sh = cls(list(sh.parameters()), lr=lr, max_grad_norm=0.3)
+        o_ref = build_optimizer(name, list(ref.parameters()), lr, clip=clip,
+                                spike_factor=5.0, spike_warmup=1)
+        o_sh = build_optimizer(name, list(sh.parameters()), lr, clip=clip,
+                               spike_factor=5.0, spike_warmup=1)
         o_sh.reduce_sum = d.all_sum
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -52,16 +58,17 @@ def check_fused_optimizers(d: Dist):
             # the loss of the whole batch is the mean over 4 rows: each rank's rows / 4 * 2
             o_ref.step(lambda: (_loss(ref, ids)).backward())
             o_sh.step(lambda: (_loss(sh, mine) / d.world).backward())
+        assert o_sh.stats.steps == 3 and o_sh.stats.held == 0, (tag, o_sh.stats)
         assert abs(o_ref.stats.last_grad_norm - o_sh.stats.last_grad_norm) < 1e-5 * max(
-            1.0, o_ref.stats.last_grad_norm), (cls.__name__, o_ref.stats.last_grad_norm,
+            1.0, o_ref.stats.last_grad_norm), (tag, o_ref.stats.last_grad_norm,
                                               o_sh.stats.last_grad_norm)
         ref_p = dict(ref.named_parameters())
         for n, p in sh.named_parameters():
             diff = float((p.detach().full_tensor() - ref_p[n].detach()).abs().max())
-            assert diff < 1e-5, (cls.__name__, n, diff)
+            assert diff < 1e-5, (tag, n, diff)
         moved = max(float((p.detach() - q.detach()).abs().max()) for p, q in
                     zip(ref.parameters(), _model().parameters()))
-        assert moved > 1e-3, (cls.__name__, moved)
+        assert moved > 1e-3, (tag, moved)
 
 
 def check_lockstep(d: Dist):

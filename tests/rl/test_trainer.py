@@ -221,6 +221,45 @@ def test_full_mode_spike_is_vetoed_before_any_update():
     assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
 
 
+@pytest.mark.parametrize("clip,passes", [("auto", 1), ("grouped", 1), ("global", 2)])
+def test_full_mode_adalomo_clip_key(clip, passes):
+    """Full mode's default optimizer is one-pass AdaLomo (grouped update normalization);
+    train.clip=global switches to the exact two-pass global clip."""
+    from orbitrl.train.optim import FusedAdaLomo
+
+    tr = make("reward.name=test_length", "train.mode=full", "train.lr=1e-3",
+              f"train.clip={clip}")
+    assert isinstance(tr.opt, FusedAdaLomo) and tr.opt.two_pass == (passes == 2)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    row = tr.step()
+    st = tr.opt.stats
+    assert row["step_skipped"] == 0 and st.micro_steps > 0
+    assert st.backward_passes == passes * st.micro_steps
+    assert ("update_held" in row) == (passes == 1) and row.get("update_held", 0) == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+def test_full_mode_one_pass_spike_stops_the_update():
+    tr = make("reward.name=test_length", "train.mode=full", "train.lr=1e-3")
+    tr.step()
+    for p in tr.model.parameters():  # every tensor's running gradient norm: tiny, warm
+        tr.opt.state[p].update(gnorm_mean=1e-12, gnorm_count=100)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    row = tr.step()
+    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
+    assert row["update_held"] == len(before)  # stopped at the first tensor reached
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
+@pytest.mark.parametrize("over", [["train.mode=full", "train.optimizer=sgd"],
+                                  ["train.mode=adapter"]])
+def test_grouped_clip_needs_adalomo(over):
+    from orbitrl.errors import OrbitError
+
+    with pytest.raises(OrbitError, match="train.clip"):
+        load_config(None, over + ["train.clip=grouped"])
+
+
 def test_watchdog_drops_a_rollout_past_its_limit_and_the_step_completes():
     tr = make("reward.name=test_length", "rollout.timeout_s=1e-9")
     row = tr.step()  # nothing can finish in a nanosecond: every group is dropped

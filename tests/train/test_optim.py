@@ -118,14 +118,18 @@ def test_grads_freed_during_backward(hf_dirs):
 
 
 def _plain_adalomo(model, batches, lr, max_norm, wd=0.0, eps=(1e-30, 1e-3), decay=-0.8,
-                   clip=1.0):
-    """AdaLomo written out plainly over full gradients (LOMO repo's adalomo.py maths)."""
-    state = {}
+                   clip=1.0, each=None):
+    """AdaLomo written out plainly over full gradients (LOMO repo's adalomo.py maths).
+
+    ``max_norm=None``: no global clip, only the grouped (per-tensor) update normalization.
+    ``each(t)`` runs after step t. Returns the global gradient norm of every step."""
+    state, norms = {}, []
     for t, b in enumerate(batches, start=1):
         model.zero_grad()
         _loss(model, b).backward()
         total = math.sqrt(sum(float((p.grad ** 2).sum()) for p in model.parameters()))
-        coef = min(1.0, max_norm / (total + 1e-6))
+        norms.append(total)
+        coef = 1.0 if max_norm is None else min(1.0, max_norm / (total + 1e-6))
         beta2 = 1 - t ** decay
         with torch.no_grad():
             for p in model.parameters():
@@ -146,15 +150,25 @@ def _plain_adalomo(model, batches, lr, max_norm, wd=0.0, eps=(1e-30, 1e-3), deca
                 lr_t = lr * max(eps[1], float(p.pow(2).mean().sqrt()))
                 p.mul_(1 - lr_t * wd)
                 p.sub_(lr_t * u)
+        if each is not None:
+            each(t)
+    return norms
 
 
-def test_adalomo_matches_plain_reference(hf_dirs):
+@pytest.mark.parametrize("build", ["class", "clip_global"])
+def test_adalomo_matches_plain_reference(hf_dirs, build):
     batches = _batches(4, seed=2)
     ref, fused = _model(hf_dirs, "qwen3"), _model(hf_dirs, "qwen3")
-    _plain_adalomo(ref, batches, lr=0.05, max_norm=0.3, wd=0.1)
-    opt = FusedAdaLomo(fused.parameters(), lr=0.05, weight_decay=0.1)
+    norms = _plain_adalomo(ref, batches, lr=0.05, max_norm=0.3, wd=0.1)
+    assert max(norms) > 0.3  # the global clip was active
+    if build == "class":
+        opt = FusedAdaLomo(fused.parameters(), lr=0.05, weight_decay=0.1)
+    else:  # what train.clip=global builds
+        opt = build_optimizer("adalomo", fused.parameters(), 0.05, clip="global",
+                              max_grad_norm=0.3, weight_decay=0.1)
     for b in batches:
         opt.step(lambda b=b: _closure(fused, b))
+    assert opt.two_pass and opt.stats.backward_passes == 8
     _close(fused, ref, tol=1e-5)
     # factored: only row + column vectors for matrices
     w = fused.model.layers[0].mlp.up_proj.weight
@@ -297,3 +311,169 @@ def test_dot_over_layouts():
     col = lambda x: x.t().contiguous().t()  # noqa: E731
     for x, y in [(a, b), (col(a), col(b)), (a, col(b)), (col(a), b)]:
         assert abs(_dot(x, y).item() - want.item()) < 1e-3
+
+
+def test_one_pass_grouped_adalomo_matches_plain_reference_step_by_step(hf_dirs):
+    """clip="grouped" (the full-mode default): one backward per step, no global clip, each
+    tensor's update normalized by its own RMS; compared after every step."""
+    batches = _batches(4, seed=2)
+    ref, fused, exact = (_model(hf_dirs, "qwen3") for _ in range(3))
+    opt = build_optimizer("adalomo", fused.parameters(), 0.05, weight_decay=0.1)
+    assert not opt.two_pass and opt.max_grad_norm is None and opt.nonfinite == "stop"
+
+    def fused_step(t):
+        opt.step(lambda: _closure(fused, batches[t - 1]))
+        assert opt.stats.backward_passes == t and opt.stats.steps == t
+        _close(fused, ref, tol=1e-5)
+
+    norms = _plain_adalomo(ref, batches, lr=0.05, max_norm=None, wd=0.1, each=fused_step)
+    assert opt.stats.last_grad_norm == pytest.approx(norms[-1], rel=1e-5)
+    assert opt.stats.spiked == opt.stats.partial == opt.stats.held == 0
+    # the reference is not the global-clip one in disguise: that run ends elsewhere
+    assert max(norms) > 0.3
+    two = build_optimizer("adalomo", exact.parameters(), 0.05, clip="global", weight_decay=0.1)
+    for b in batches:
+        two.step(lambda b=b: _closure(exact, b))
+    gap = max(float((p - q).detach().abs().max())
+              for p, q in zip(fused.parameters(), exact.parameters()))
+    assert gap > 1e-4
+
+
+def _hand_case(scale: float, lr: float = 0.1):
+    """W [2, 2] = ones with gradient scale * [[2, 0], [0, 1]], v [4] = 2 with gradient
+    scale * 3, one grouped one-pass AdaLomo step."""
+    W = torch.ones(2, 2, requires_grad=True)
+    v = torch.full((4,), 2.0, requires_grad=True)
+    G = torch.tensor([[2.0, 0.0], [0.0, 1.0]]) * scale
+    opt = build_optimizer("adalomo", [W, v], lr)
+
+    def closure():
+        loss = (W * G).sum() + (v * 3.0 * scale).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return W.detach(), v.detach(), opt
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e3])
+def test_grouped_update_by_hand(scale):
+    """Step 1 (beta2 = 0). W: row means of g^2 r = [2, 0.5], column means c = [2, 0.5],
+    v = r c^T / mean(r) = [[3.2, 0.8], [0.8, 0.2]], u = g / sqrt(v) = [[2/sqrt(3.2), 0],
+    [0, 1/sqrt(0.2)]] = [[1.1180, 0], [0, 2.2361]], RMS(u) = sqrt((1.25 + 5) / 4) = 1.25 > 1,
+    so u / 1.25 = [[0.8944, 0], [0, 1.7889]]; RMS(W) = 1, so W -= 0.1 * u. Vector: u = g /
+    |g| = 1, RMS(v) = 2, so v -= 0.1 * 2 * 1. A 1000x larger gradient gives the same step:
+    the grouped normalization is what bounds it, with no global clip."""
+    W, v, opt = _hand_case(scale)
+    want = torch.tensor([[1 - 0.1 * 0.894427, 1.0], [1.0, 1 - 0.1 * 1.788854]])
+    torch.testing.assert_close(W, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(v, torch.full((4,), 1.8), atol=1e-6, rtol=0)
+    assert opt.stats.backward_passes == 1
+    assert opt.stats.last_grad_norm == pytest.approx(scale * math.sqrt(5 + 4 * 9), rel=1e-6)
+
+
+def _layer0_scaled(m, factor):
+    """A forward hook on layer 0 whose output's gradient is multiplied by ``factor``: the
+    backward reaches the later layers first, with their gradients as they were."""
+    def hook(mod, inp, out):
+        out.register_hook(lambda g: g * factor)
+    return m.model.layers[0].register_forward_hook(hook)
+
+
+def _warm(m, opt, n):
+    for b in _batches(n, seed=4):
+        opt.step(lambda b=b: _closure(m, b))
+
+
+def test_grouped_spike_stops_at_the_first_spiking_tensor(hf_dirs):
+    m = _model(hf_dirs, recompute=True)
+    opt = build_optimizer("adalomo", m.parameters(), 0.05)  # spike_factor 5, warmup 5
+    _warm(m, opt, 6)
+    b = _batches(1, seed=8)[0]
+    n_params = len(list(m.parameters()))
+    # a spike from the loss: the first tensor reached already spikes, nothing changes
+    before = _snapshot(m)
+    moments = {n: {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+               for n, p in m.named_parameters()}
+
+    def big():
+        loss = _loss(m, b) * 1e4
+        loss.backward()
+        return loss
+    opt.step(big)
+    assert opt.stats.spiked == 1 and opt.stats.held == n_params and opt.stats.steps == 6
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None
+        for k, t in moments[n].items():
+            assert torch.equal(opt.state[p][k], t), (n, k)
+    # a spike entering at layer 0: the later layers keep their update, layer 0 and the
+    # embedding (reached after it) keep their values
+    h = _layer0_scaled(m, 1e4)
+    try:
+        opt.step(lambda: _closure(m, b))
+    finally:
+        h.remove()
+    late = [n for n, _ in m.named_parameters() if n.startswith("model.layers.0.") or "embed" in n]
+    assert opt.stats.spiked == 2 and opt.stats.held == n_params + len(late)
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]) == (n in late), n
+    # the running means did not take the spikes in: a normal step goes through
+    opt.step(lambda: _closure(m, b))
+    assert opt.stats.steps == 7 and opt.stats.spiked == 2
+
+
+def test_grouped_without_spike_check_applies_the_same_step(hf_dirs):
+    """The control for the spike test: spike_factor=None applies the 1e4x step (bounded by
+    the grouped normalization, so the weights stay finite)."""
+    m = _model(hf_dirs, recompute=True)
+    opt = build_optimizer("adalomo", m.parameters(), 0.05, spike_factor=None)
+    _warm(m, opt, 6)
+    before = _snapshot(m)
+    b = _batches(1, seed=8)[0]
+
+    def big():
+        loss = _loss(m, b) * 1e4
+        loss.backward()
+        return loss
+    opt.step(big)
+    assert opt.stats.spiked == 0 and opt.stats.held == 0 and opt.stats.steps == 7
+    assert all(not torch.equal(p, before[n]) for n, p in m.named_parameters())
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_grouped_nan_stops_and_counts_partial(hf_dirs):
+    m = _model(hf_dirs)
+    opt = build_optimizer("adalomo", m.parameters(), 0.05)
+    b = _batches(1)[0]
+    opt.step(lambda: _closure(m, b))
+    before = _snapshot(m)
+    h = _layer0_scaled(m, float("nan"))
+    try:
+        opt.step(lambda: _closure(m, b))
+    finally:
+        h.remove()
+    assert opt.stats.partial == 1 and opt.stats.steps == 1 and opt.stats.held > 0
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert all(torch.isfinite(t).all() for st in opt.state.values() for t in st.values()
+               if torch.is_tensor(t))
+    for n, p in m.named_parameters():
+        if n.startswith("model.layers.0.") or "embed" in n:
+            assert torch.equal(p, before[n]), n
+
+
+def test_build_optimizer_clip_modes(hf_dirs):
+    ps = list(_model(hf_dirs).parameters())
+    one = build_optimizer("adalomo", ps, 1e-3)
+    assert (one.two_pass, one.max_grad_norm, one.spike_factor) == (False, None, 5.0)
+    one.remove_hooks()
+    two = build_optimizer("adalomo", ps, 1e-3, clip="global", max_grad_norm=0.2)
+    assert (two.two_pass, two.max_grad_norm, two.spike_factor) == (True, 0.2, None)
+    two.remove_hooks()
+    sgd = build_optimizer("sgd", ps, 1e-3)
+    assert sgd.two_pass and sgd.max_grad_norm == 0.3
+    sgd.remove_hooks()
+    for name, clip in (("sgd", "grouped"), ("adamw", "grouped"), ("adalomo", "previous")):
+        with pytest.raises(OrbitError):
+            build_optimizer(name, ps, 1e-3, clip=clip)
+    with pytest.raises(OrbitError, match="spike_factor"):
+        FusedAdaLomo(ps, lr=1e-3, spike_factor=5.0)  # two-pass vetoes instead

@@ -54,6 +54,7 @@ def scalar_state(tr, extra: dict) -> dict:
         "data_pos": data_pos,
         "order": list(order),
         "fused_applied": tr._fused_applied,
+        "fused_held": tr._fused_held,
         "guard": tr.guard.state_dict(),
         "kl_coef": tr.kl_ctl.value,
         "rng_python": random.getstate(),
@@ -72,6 +73,7 @@ def scalar_state(tr, extra: dict) -> dict:
 def restore_scalars(tr, state: dict):
     """The inverse of :func:`scalar_state`."""
     tr._fused_applied = state["fused_applied"]
+    tr._fused_held = state.get("fused_held", 0)
     tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
     tr.iteration = state["iteration"]
     tr.guard.load_state_dict(state["guard"])

@@ -99,6 +99,7 @@ class RLTrainer:
         random.Random(cfg.train.seed).shuffle(self.order)
         self.data_pos = 0
         self.rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
+        self.guard = GradNormGuard()
         self.opt = self._optimizer()
         if self.dist.enabled and is_fused(self.opt):
             self.opt.reduce_sum = self.dist.all_sum  # norms and factored moments of shards
@@ -113,11 +114,10 @@ class RLTrainer:
 
             self.critic = ValueHead(self.model.config.hidden_size).to(self.device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.algo.value_lr)
-        self.guard = GradNormGuard()
         self.snapshot = Snapshot(self.policy.trainable) if cfg.train.mode == "adapter" else None
         self.iteration = 0  # steps run (skipped ones included): the metrics row key
         self.step_idx = 0  # optimizer steps taken = policy version
-        self._fused_applied = 0
+        self._fused_applied = self._fused_held = 0
         self._peak_flops: float | None = None
         self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
                              dropped_groups=0, reward_errors=0)
@@ -169,9 +169,12 @@ class RLTrainer:
             return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         from orbitrl.train.optim import build_optimizer
 
-        opt = build_optimizer(name, params, t.lr, max_grad_norm=t.max_grad_norm)
-        # the heartbeat vetoes a spiking update between the two passes: nothing is applied,
-        # so no snapshot of the full weights is needed
+        opt = build_optimizer(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,
+                              max_grad_norm=t.max_grad_norm, spike_factor=self.guard.factor,
+                              spike_warmup=self.guard.warmup, spike_beta=self.guard.beta)
+        # two passes: the heartbeat vetoes a spiking update between them (nothing applied, so
+        # no snapshot of the full weights is needed); one pass (grouped): the optimizer's
+        # per-tensor check stops the update at the first spiking tensor instead
         opt.veto = lambda norm: not self.guard.ok(norm)
         return opt
 
@@ -564,7 +567,10 @@ class RLTrainer:
             ok = applied > 0
             out["grad_norm"] = norm
             size = self.opt.take_update_size()  # reset even when nothing was applied
-            if ok:
+            held, self._fused_held = st.held - self._fused_held, st.held
+            if not self.opt.two_pass:  # one pass: tensors a stop left unchanged this step
+                out["update_held"] = held
+            if ok or held:  # a one-pass stop keeps the tensors updated before it
                 out.update(size)
         else:
             named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
@@ -583,12 +589,12 @@ class RLTrainer:
             else:  # vetoed before opt.step: weights and moments are the last good state
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]
             self.opt.zero_grad(set_to_none=True)
-        if fused and ok:
-            self.guard.accept(norm)
+        if fused and ok and not (held and not self.opt.two_pass):
+            self.guard.accept(norm)  # a one-pass step stopped at a spike stays out of the mean
         out["step_skipped"] = 0 if ok else 1
-        out["skipped_spike"] = self.guard.skipped_spike
+        out["skipped_spike"] = self.guard.skipped_spike + (self.opt.stats.spiked if fused else 0)
         out["skipped_nonfinite"] = self.guard.skipped_nonfinite + \
-            (self.opt.stats.skipped if fused else 0)
+            (self.opt.stats.skipped + self.opt.stats.partial if fused else 0)
         keys = set().union(*metrics) if metrics else set()
         for k in keys:
             vals = [m[k] for m in metrics if k in m and isinstance(m[k], (int, float))]

@@ -11,25 +11,48 @@ state_dict) driven by ``opt.step(closure)``, where ``closure`` runs forward + ba
 returns the loss (torch's LBFGS convention). They raise ``OrbitError`` on options they
 cannot honour.
 
-Global gradient-norm clipping (``max_grad_norm``, default 0.3) under a fused update:
-the norm of the whole gradient is only known after backward ends, but the update of the
-first parameters happens in the middle of it. Two modes:
+Gradient clipping under a fused update: the norm of the whole gradient is only known
+after backward ends, but the update of the first parameters happens in the middle of it.
+Three modes, chosen by ``two_pass`` and ``max_grad_norm`` (``build_optimizer(clip=...)``
+maps the trainer's ``train.clip`` onto them):
 
-- ``two_pass=True`` (default, exact): pass 1 runs the closure with hooks that only add each
-  gradient's squared norm to a running sum and free it; the optimizer then knows the exact
-  global norm (and whether the loss or any gradient is non-finite), and pass 2 runs the
-  closure again and applies ``g * min(1, max_norm / (norm + 1e-6))`` -- the same factor as
-  ``torch.nn.utils.clip_grad_norm_``. A non-finite loss or gradient found in pass 1 skips
-  pass 2: the step is counted in ``stats.skipped`` and no parameter changes. Cost: one
-  extra forward + backward per step (measured by ``benchmarks/bench_training_memory.py``;
-  ``stats.measure_s``/``apply_s`` record it per run). The RNG state is replayed so both
-  passes see the same dropout/sampling.
-- ``two_pass=False`` (one pass, approximate): the clip factor comes from the previous
-  step's measured norm (the first step runs two-pass to obtain one). It cannot undo updates
-  already applied earlier in the same backward, so a non-finite gradient cannot leave the
-  parameters unchanged; it therefore requires ``nonfinite="stop"``: updates stop at the
-  first non-finite gradient, the step is counted in ``stats.partial``, and restoring the
-  last good state is the caller's job (the RL guard does this).
+- ``two_pass=True`` (exact global clip, ``clip="global"``): pass 1 runs the closure with hooks
+  that only add each gradient's squared norm to a running sum and free it; the optimizer
+  then knows the exact global norm (and whether the loss or any gradient is non-finite),
+  and pass 2 runs the closure again and applies ``g * min(1, max_norm / (norm + 1e-6))`` --
+  the same factor as ``torch.nn.utils.clip_grad_norm_``. A non-finite loss or gradient found
+  in pass 1, or a ``veto(norm)`` that refuses the norm, skips pass 2: the step is counted in
+  ``stats.skipped`` / ``stats.vetoed`` and no parameter changes. Cost: one extra forward +
+  backward per step (``stats.measure_s``/``apply_s``; ``benchmarks/bench_training_memory.py``).
+  The RNG state is replayed so both passes see the same dropout/sampling.
+- ``two_pass=False, max_grad_norm=None`` (one pass, grouped update normalization,
+  ``clip="grouped"``, AdaLomo's own scheme): no global norm is needed before updating,
+  because ``FusedAdaLomo`` already bounds every tensor's update by its own RMS (the update
+  ``u`` is divided by ``max(1, RMS(u) / clip_threshold)`` and scaled by the weight's RMS), so
+  one tensor's change is at most ``lr * max(eps2, RMS(W)) * clip_threshold`` in RMS whatever
+  the gradient's size. One forward + backward per step. (``FusedSGD`` has no such bound: it
+  runs unclipped here.)
+- ``two_pass=False`` with a ``max_grad_norm`` (one pass, approximate global clip): the clip
+  factor comes from the previous step's measured norm (the first step runs two-pass to
+  obtain one).
+
+Both one-pass modes cannot undo updates already applied earlier in the same backward, so a
+bad gradient cannot leave all parameters unchanged; they require ``nonfinite="stop"``. Each
+gradient's squared norm is read as it arrives (one host sync per tensor) and updates stop at
+the first tensor whose gradient is non-finite (counted in ``stats.partial``) or, with
+``spike_factor`` set, whose norm passes ``spike_factor`` times that tensor's own running
+mean (after ``spike_warmup`` updates of it; counted in ``stats.spiked``): that tensor and all
+tensors after it in the backward keep their values and moments (``stats.held`` counts them),
+the tensors before it keep their update. Such a step is not counted in ``stats.steps``.
+Backward reaches the output layers first, and a gradient spike starting in the loss shows in
+every tensor, so in practice the stop happens at the first tensor and nothing changes. The
+per-tensor check is at least as strict as a global one with the same factor: when both have
+seen the same steps, the running mean of the global norm is at least the norm of the vector
+of per-tensor running means (Minkowski), so a global norm above ``factor`` times its mean
+implies some tensor above ``factor`` times its own. ``veto`` is not consulted in one pass
+(it needs the global norm before the first update); ``stats.last_grad_norm`` still reports
+the global norm after the step. Restoring an earlier state after a partial step is the
+caller's job.
 
 Gradient accumulation (``accumulation_steps=k``): summing micro-batch gradients would need
 the full gradient buffer that a fused update exists to avoid. Here each micro-batch's
@@ -44,7 +67,9 @@ rank's shard once the summed gradient of that shard has arrived, and updates tha
 only. Everything that is a sum over the whole tensor (the squared norm for clipping,
 AdaLomo's column means, the row mean, the RMS of the update and of the weight) is summed
 over ranks by ``reduce_sum`` (set by the caller to an all-reduce), so every rank computes
-the update the one-process optimizer would; ``SHARDED_STATE`` names the state tensors that
+the update the one-process optimizer would (in one pass each tensor's squared gradient
+norm is summed over ranks as it arrives, one scalar all-reduce per tensor, so every rank
+takes the same stop decision); ``SHARDED_STATE`` names the state tensors that
 follow the parameter's dim-0 sharding (held as local shards), the rest are replicated.
 """
 
@@ -65,7 +90,9 @@ class FusedStats:
     micro_steps: int = 0      # step(closure) calls that applied an update
     steps: int = 0            # optimizer steps = micro_steps // accumulation_steps
     skipped: int = 0          # non-finite loss/grad: nothing applied
-    partial: int = 0          # one-pass only: non-finite grad after some updates applied
+    partial: int = 0          # one-pass only: stopped at a non-finite gradient
+    spiked: int = 0           # one-pass only: stopped at a tensor's gradient-norm spike
+    held: int = 0             # one-pass only: tensors left unchanged by those stops
     vetoed: int = 0           # two-pass: the caller's ``veto(norm)`` refused the update
     last_grad_norm: float = float("nan")
     last_clip_coef: float = 1.0
@@ -90,11 +117,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         two_pass: exact clipping and atomic skip of non-finite steps (see module doc).
         nonfinite: "skip" (two-pass only) or "stop" (one-pass: stop updating, count partial).
         accumulation_steps: micro-batches per optimizer step (lr / k per micro-batch).
+        spike_factor: one pass only: stop updating at a tensor whose gradient norm passes
+            this many times its own running mean (None: no spike check).
+        spike_warmup: updates of a tensor before its spike check starts.
+        spike_beta: decay of each tensor's running mean of its gradient norm.
     """
 
     def __init__(self, params, defaults, *, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1):
+                 accumulation_steps: int = 1, spike_factor: float | None = None,
+                 spike_warmup: int = 5, spike_beta: float = 0.9):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OrbitError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if nonfinite not in ("skip", "stop"):
@@ -107,6 +139,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if two_pass and nonfinite == "stop":
             raise OrbitError("nonfinite='stop' is the one-pass policy; two_pass=True always "
                              "skips the whole step")
+        if spike_factor is not None and (two_pass or not spike_factor > 1):
+            raise OrbitError("spike_factor is the one-pass heartbeat and must be > 1 "
+                             "(two-pass checks the global norm with veto(norm) instead)")
         if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
             raise OrbitError(f"accumulation_steps must be an integer >= 1, got "
                              f"{accumulation_steps}")
@@ -114,13 +149,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.two_pass = two_pass
         self.nonfinite = nonfinite
         self.accumulation_steps = int(accumulation_steps)
+        self.spike_factor, self.spike_warmup, self.spike_beta = (spike_factor, spike_warmup,
+                                                                 spike_beta)
         self.stats = FusedStats()
         self._phase = "idle"
         self._sq: torch.Tensor | None = None
         self._dsq: torch.Tensor | None = None  # this pass: sum of squared changes
         self._wsq: torch.Tensor | None = None  # this pass: sum of squared weights (before)
         self._coef = 1.0
-        self._bad = False
+        self._stop: str | None = None  # one pass: why updates stopped in this backward
         self.veto = None  # optional (global grad norm) -> True to refuse this update
         self.reduce_sum = None  # optional in-place sum over ranks, for sharded parameters
         self._prev_norm: float | None = None
@@ -167,15 +204,34 @@ class FusedOptimizer(torch.optim.Optimizer):
         elif phase == "apply":
             self._update(p, g, self._group_of[id(key)], self._coef, self._lr(key),
                          **self._shard_kw(key, sharded))
-        else:  # "oneshot": clip from the previous norm, check each gradient before use
+        else:  # "oneshot": check each gradient's norm, then update (or stop)
             sq = g.float().pow(2).sum()
+            if sharded:  # the whole tensor's: every rank takes the same decision
+                sq = self._allsum(sq)
             self._sq += sq
-            if not self._bad and not bool(torch.isfinite(sq)):
-                self._bad = True
-            if not self._bad:
+            if self._stop is None:
+                self._stop = self._check(self.state[key], float(sq))  # one host sync
+            if self._stop is None:
                 self._update(p, g, self._group_of[id(key)], self._coef, self._lr(key),
                              **self._shard_kw(key, sharded))
+            else:
+                self.stats.held += 1
         key.grad = None
+
+    def _check(self, st: dict, sq: float) -> str | None:
+        """One pass: why this tensor must not be updated ("nonfinite" / "spike"), or None
+        after folding its gradient norm into its running mean (``st``: its state)."""
+        if not math.isfinite(sq):
+            return "nonfinite"
+        if self.spike_factor is None:
+            return None
+        norm, mean, n = math.sqrt(sq), st.get("gnorm_mean"), st.get("gnorm_count", 0)
+        if n >= self.spike_warmup and mean is not None and norm > self.spike_factor * mean:
+            return "spike"
+        b = self.spike_beta
+        st["gnorm_mean"] = norm if mean is None else b * mean + (1 - b) * norm
+        st["gnorm_count"] = n + 1
+        return None
 
     def _shard_kw(self, key, sharded: bool) -> dict:
         if not sharded:
@@ -223,7 +279,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              "backward, so the optimizer must run it")
         dev = self._device()
         self._sq = torch.zeros((), dtype=torch.float32, device=dev)
-        if self.two_pass or self._prev_norm is None:
+        if self.two_pass or (self._prev_norm is None and self.max_grad_norm is not None):
             rng = _rng_state()
             loss = self._run(closure, "measure")
             norm = float(self._allsum(self._sq).sqrt())
@@ -239,24 +295,31 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._sq = torch.zeros((), dtype=torch.float32, device=dev)
             self._zero_update_sums(dev)
             loss = self._run(closure, "apply")
+            self._fold_update_sums()
         else:
-            self._coef = self._clip_coef(self._prev_norm)
-            self._bad = False
+            self._coef = 1.0 if self._prev_norm is None else self._clip_coef(self._prev_norm)
+            self._stop = None
             self._zero_update_sums(dev)
             loss = self._run(closure, "oneshot")
-            norm = float(self._allsum(self._sq).sqrt())
+            norm = float(self._sq.sqrt())  # per-tensor sums were already summed over ranks
             self.stats.last_grad_norm = norm
-            if self._bad or not _finite(loss):
+            self._fold_update_sums()  # what was applied before a stop counts too
+            if self._stop == "spike":
+                self.stats.spiked += 1
+                return loss
+            if self._stop is not None or not _finite(loss):
                 self.stats.partial += 1
                 return loss
         self._prev_norm = norm
-        sums = self._allsum(torch.stack([self._dsq, self._wsq]))  # shards: one sum over ranks
-        self.stats.update_sq += float(sums[0])
-        self.stats.weight_sq += float(sums[1])
         self.stats.last_clip_coef = self._coef
         self.stats.micro_steps += 1
         self.stats.steps = self.stats.micro_steps // self.accumulation_steps
         return loss
+
+    def _fold_update_sums(self):
+        sums = self._allsum(torch.stack([self._dsq, self._wsq]))  # shards: one sum over ranks
+        self.stats.update_sq += float(sums[0])
+        self.stats.weight_sq += float(sums[1])
 
     def _zero_update_sums(self, dev):
         self._dsq = torch.zeros((), dtype=torch.float32, device=dev)
@@ -346,14 +409,16 @@ class FusedSGD(FusedOptimizer):
         weight_decay: L2 term added to the (clipped) gradient, like ``torch.optim.SGD``.
         momentum, dampening, nesterov, maximize: accepted only at their stateless defaults
             (momentum would be a full-size state); anything else raises.
-        max_grad_norm, two_pass, nonfinite, accumulation_steps: see ``FusedOptimizer``.
+        max_grad_norm, two_pass, nonfinite, accumulation_steps, spike_*: see
+            ``FusedOptimizer``.
     """
 
     def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.0,
                  momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  maximize: bool = False, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1, **torch_flags):
+                 accumulation_steps: int = 1, spike_factor: float | None = None,
+                 spike_warmup: int = 5, spike_beta: float = 0.9, **torch_flags):
         _refuse_torch_flags(torch_flags, "FusedSGD")
         if momentum or dampening or nesterov:
             raise OrbitError("FusedSGD is stateless: momentum/dampening/nesterov would need a "
@@ -365,7 +430,9 @@ class FusedSGD(FusedOptimizer):
                              f"{weight_decay})")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
-                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps,
+                         spike_factor=spike_factor, spike_warmup=spike_warmup,
+                         spike_beta=spike_beta)
 
     def _update(self, p, g, group, coef, lr, **_shard):
         # elementwise: a shard updates exactly like its slice of the whole tensor
@@ -390,15 +457,19 @@ class FusedAdaLomo(FusedOptimizer):
         lr: relative step size (scaled by each tensor's RMS).
         eps: (eps1 added to g^2, eps2 floor of the parameter-RMS scale).
         decay_rate: beta2 schedule exponent (AdaLomo/Adafactor default -0.8).
-        clip_threshold: per-tensor update RMS cap.
+        clip_threshold: per-tensor update RMS cap (the grouped update normalization that
+            lets ``two_pass=False, max_grad_norm=None`` run without a global clip).
         weight_decay: decoupled, multiplies W by (1 - lr_t * weight_decay).
+        max_grad_norm, two_pass, nonfinite, accumulation_steps, spike_*: see
+            ``FusedOptimizer``.
     """
 
     def __init__(self, params, lr: float = 1e-3, *, eps=(1e-30, 1e-3),
                  decay_rate: float = -0.8, clip_threshold: float = 1.0,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1, **torch_flags):
+                 accumulation_steps: int = 1, spike_factor: float | None = None,
+                 spike_warmup: int = 5, spike_beta: float = 0.9, **torch_flags):
         _refuse_torch_flags(torch_flags, "FusedAdaLomo")
         if not lr > 0 or weight_decay < 0 or not clip_threshold > 0 or decay_rate >= 0:
             raise OrbitError("FusedAdaLomo: need lr > 0, weight_decay >= 0, "
@@ -407,7 +478,9 @@ class FusedAdaLomo(FusedOptimizer):
                                       clip_threshold=clip_threshold,
                                       weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
-                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps,
+                         spike_factor=spike_factor, spike_warmup=spike_warmup,
+                         spike_beta=spike_beta)
 
     SHARDED_STATE = ("row", "sq")  # "col" (one value per column) is replicated
 
@@ -486,22 +559,46 @@ def _rms(sq: torch.Tensor, x: torch.Tensor, full_shape=None, allsum=None) -> tor
 
 
 OPTIMIZERS = ("adamw", "sgd", "adalomo")
+CLIPS = ("grouped", "global")
 
 
-def build_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params, lr: float, *, clip: str | None = None,
+                    max_grad_norm: float | None = 0.3, spike_factor: float | None = 5.0,
+                    **kw) -> torch.optim.Optimizer:
     """The optimizer the trainer asks for by name.
 
     "adamw" is plain ``torch.optim.AdamW`` (adapters, and the full-parameter comparison:
     the caller clips with ``torch.nn.utils.clip_grad_norm_`` and calls ``step()``);
     "sgd" / "adalomo" are the fused stateless ones (call ``step(closure)``).
+
+    Args:
+        clip: how a fused update is bounded (see the module doc). "grouped" (AdaLomo only,
+            its default): one forward + backward, each tensor's update normalized by its
+            own RMS, no global clip, ``max_grad_norm`` unused; updates stop at the first
+            non-finite or spiking gradient (``spike_factor``). "global" (SGD's default):
+            exact global clip at ``max_grad_norm`` by two passes; the caller's
+            ``veto(norm)`` can refuse a step before anything is applied.
+        max_grad_norm: the global clip ("global"; AdamW's caller clips by itself).
+        spike_factor: the one-pass per-tensor spike check ("grouped"; None: off).
     """
     if name == "adamw":
+        if clip not in (None, "global"):
+            raise OrbitError(f"clip={clip!r} needs a fused optimizer; AdamW clips globally")
         return torch.optim.AdamW(params, lr=lr, **kw)
-    if name == "sgd":
-        return FusedSGD(params, lr=lr, **kw)
-    if name == "adalomo":
-        return FusedAdaLomo(params, lr=lr, **kw)
-    raise OrbitError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+    if name not in ("sgd", "adalomo"):
+        raise OrbitError(f"unknown optimizer {name!r} (choose from {', '.join(OPTIMIZERS)})")
+    clip = clip or ("grouped" if name == "adalomo" else "global")
+    if clip == "global":
+        kw |= dict(max_grad_norm=max_grad_norm, two_pass=True)
+    elif clip == "grouped":
+        if name != "adalomo":
+            raise OrbitError("clip='grouped' relies on AdaLomo's per-tensor update "
+                             "normalization; SGD has none (use clip='global')")
+        kw |= dict(max_grad_norm=None, two_pass=False, nonfinite="stop",
+                   spike_factor=spike_factor)
+    else:
+        raise OrbitError(f"unknown clip {clip!r} (choose from {', '.join(CLIPS)})")
+    return (FusedSGD if name == "sgd" else FusedAdaLomo)(params, lr=lr, **kw)
 
 
 def is_fused(opt) -> bool:
