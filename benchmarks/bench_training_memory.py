@@ -3,6 +3,8 @@ logprob+loss working memory of the chunked path against naive [tokens, vocab] lo
 
     python benchmarks/bench_training_memory.py            # ~5 min on 2 idle CPU cores
     python benchmarks/bench_training_memory.py --quick    # smaller model, for a smoke run
+    python benchmarks/bench_training_memory.py --only adamw,adalomo_fused_1pass,adalomo_fused \
+        --repeats 3                                       # full mode's clip modes vs AdamW
 
 Method. Every configuration runs in its own fresh subprocess (``--worker NAME``), so no
 allocator cache or earlier peak leaks between them. The worker builds the same model
@@ -14,6 +16,18 @@ gradients, optimizer state, activations, logits). Step time is the mean over the
 after the first. All configurations use the same loss (advantage-weighted chunked token
 logprobs) and activation recomputation, so they differ only in optimizer and residency.
 Configurations run one after another on shared cores: compare times within one run only.
+``--repeats N`` runs the whole list N times, interleaved (a, b, c, a, b, c, ...), and reports
+the median of each configuration's step time and net peak, so a slow minute on shared
+cores hits every configuration alike.
+
+``--device`` (auto: CUDA when available, else the CPU): on CUDA the model and batch live on
+the GPU, step times are taken after ``torch.cuda.synchronize()`` and the net peak is
+``torch.cuda.max_memory_allocated()`` during the steps minus the allocation before them.
+
+Full mode's two clip modes are ``adalomo_fused_1pass`` (``clip="grouped"``, the default:
+one forward + backward, AdaLomo's per-tensor update normalization) and ``adalomo_fused``
+(``clip="global"``: exact global clip by two passes); the summary line checks the one-pass
+default against the target of at most 1.2x AdamW's step time at most 0.4x its net peak.
 
 On a CPU host the "device" is the host: layer tiers cannot lower RSS there, so for the
 tiered run the table also gives the device-tier peak from the residency accounting (what
@@ -54,22 +68,33 @@ def _config(quick: bool):
                        num_kv_heads=max(1, h // 256), head_dim=64)
 
 
+def _device(args) -> str:
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
 def _train_worker(name: str, args) -> dict:
     import torch
 
     from orbitrl.model.decoder import Decoder
     from orbitrl.train.logprobs import model_logprobs
-    from orbitrl.train.optim import FusedAdaLomo, FusedSGD
+    from orbitrl.train.optim import FusedSGD, build_optimizer
     from orbitrl.train.residency import LayerResidency
 
+    dev = torch.device(_device(args))
+    cuda = dev.type == "cuda"
     torch.manual_seed(0)
     cfg = _config(args.quick)
-    model = Decoder(cfg).train()
+    model = Decoder(cfg).to(dev).train()
     model.recompute = True
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
     tgt = torch.cat([ids[:, 1:], torch.full((args.batch, 1), -1)], 1)
     adv = torch.randn(args.batch, 1, generator=g)
+    ids, tgt, adv = ids.to(dev), tgt.to(dev), adv.to(dev)
     n_tok = int((tgt >= 0).sum())
     extra = {}
     note = ""
@@ -120,8 +145,11 @@ def _train_worker(name: str, args) -> dict:
             opt = FusedSGD(params, lr=1e-5, two_pass=False, nonfinite="stop")
             note = "clip from previous norm"
         elif name == "adalomo_fused":
-            opt = FusedAdaLomo(params, lr=1e-3)
-            note = "factored 2nd moment, two-pass"
+            opt = build_optimizer("adalomo", params, 1e-3, clip="global")
+            note = "factored 2nd moment, clip=global (two-pass exact)"
+        elif name == "adalomo_fused_1pass":
+            opt = build_optimizer("adalomo", params, 1e-3, clip="grouped")
+            note = "factored 2nd moment, clip=grouped (one pass, full-mode default)"
         elif name == "sgd_fused_tiers":
             opt = FusedSGD(params, lr=1e-5)
             res = LayerResidency(model, prefetch=2, keep_timeline=False)
@@ -135,14 +163,21 @@ def _train_worker(name: str, args) -> dict:
     extra.setdefault("trainable", sum(p.numel() for p in params))
     import gc
     gc.collect()
-    base = _status("VmRSS")
-    _reset_peak()
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        base = _status("VmRSS")
+        _reset_peak()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = _status("VmHWM")
+    peak = torch.cuda.max_memory_allocated(dev) if cuda else _status("VmHWM")
     out = dict(name=name,
                base_rss=base, net_peak=peak - base, peak_rss=peak,
                step_s=sum(times[1:]) / max(1, len(times) - 1), note=note, **extra)
@@ -184,8 +219,8 @@ def _logprob_worker(name: str, args) -> dict:
                 working=peak - base - grads, step_s=dt)
 
 
-TRAIN = ["adamw", "sgd_fused", "sgd_fused_1pass", "adalomo_fused", "sgd_fused_tiers",
-         "lora_nf4"]
+TRAIN = ["adamw", "sgd_fused", "sgd_fused_1pass", "adalomo_fused_1pass", "adalomo_fused",
+         "sgd_fused_tiers", "lora_nf4"]
 LOGPROB = ["lp_naive_32k", "lp_chunked_32k", "lp_naive_128k", "lp_chunked_128k"]
 
 
@@ -208,6 +243,8 @@ def main():
     ap.add_argument("--lp-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", help="comma-separated config names")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds; medians")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = ap.parse_args()
     import torch
 
@@ -220,25 +257,44 @@ def main():
     names = TRAIN + LOGPROB
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
-    rows = {}
+    runs: dict[str, list] = {n: [] for n in names}
     print(f"# load average before: {open('/proc/loadavg').read().split()[:3]}",
           file=sys.stderr)
-    for n in names:
-        t0 = time.perf_counter()
-        rows[n] = r = _spawn(n, argv)
-        print(f"# {n}: {time.perf_counter() - t0:.0f}s {r.get('error', '')}", file=sys.stderr,
-              flush=True)
-    _print_tables(rows, args)
+    for rep in range(args.repeats):
+        for n in names:
+            t0 = time.perf_counter()
+            runs[n].append(r := _spawn(n, argv))
+            print(f"# round {rep + 1}, {n}: {time.perf_counter() - t0:.0f}s "
+                  f"{r.get('error', '')}", file=sys.stderr, flush=True)
+    _print_tables({n: _median(rs) for n, rs in runs.items()}, args)
     print(f"\nload average after (2 shared cores): "
           f"{' '.join(open('/proc/loadavg').read().split()[:3])}")
+
+
+def _median(rs: list[dict]) -> dict:
+    """One row from the repeats of a configuration: the median of every timing and memory
+    figure over the runs that succeeded (the first error when none did)."""
+    ok = [r for r in rs if "error" not in r]
+    if not ok:
+        return rs[0]
+    out = dict(ok[0], runs=len(ok))
+    for k in ("net_peak", "step_s", "measure_s", "apply_s"):
+        if k in out:
+            vals = sorted(r[k] for r in ok)
+            out[k] = vals[len(vals) // 2] if len(vals) % 2 else \
+                (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    return out
 
 
 def _print_tables(rows: dict, args):
     cfg = _config(args.quick)
     base = rows.get("adamw", {})
+    dev = _device(args)
     print(f"\n## Training step: {cfg.num_params / 1e6:.0f}M-param Llama-shaped model "
           f"(h={cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}), fp32, "
-          f"batch {args.batch}x{args.seq}, recompute on, {args.threads} threads\n")
+          f"batch {args.batch}x{args.seq}, recompute on, {dev}"
+          f"{f', {args.threads} threads' if dev == 'cpu' else ''}, medians of "
+          f"{args.repeats} interleaved run(s) of {args.steps} steps\n")
     print("| config | trainable | net peak MB | vs AdamW | step s | vs AdamW | notes |")
     print("|---|---|---|---|---|---|---|")
     for n in TRAIN:
@@ -259,8 +315,22 @@ def _print_tables(rows: dict, args):
         rt = (f"{r['step_s'] / base['step_s']:.2f}x" if base.get("step_s") else "-")
         print(f"| {n} | {r['trainable'] / 1e6:.1f}M | {r['net_peak'] / MB:.0f} | {rp} | "
               f"{r['step_s']:.2f} | {rt} | {note} |")
-    print(f"\nnet peak = RSS high-water mark during {args.steps} steps minus RSS before them "
-          "(weights, batch and torch are in the baseline); one fresh subprocess per config.")
+    one = rows.get("adalomo_fused_1pass", {})
+    if base.get("step_s") and one.get("step_s") and "error" not in base | one:
+        t, m = one["step_s"] / base["step_s"], one["net_peak"] / base["net_peak"]
+        two = rows.get("adalomo_fused", {})
+        vs2 = (f"; two-pass (clip=global) is {two['step_s'] / one['step_s']:.2f}x the "
+               f"one-pass step" if two.get("step_s") and "error" not in two else "")
+        print(f"\nfull-mode default (adalomo, clip=grouped) vs AdamW: step {t:.2f}x "
+              f"(target <= 1.2x: {'met' if t <= 1.2 else 'NOT met'}), net peak {m:.2f}x "
+              f"(target <= 0.4x: {'met' if m <= 0.4 else 'NOT met'}){vs2}")
+    what = ("torch.cuda.max_memory_allocated during the steps minus the allocation before "
+            "them" if dev == "cuda" else "RSS high-water mark during the steps minus RSS "
+            "before them")
+    print(f"\nnet peak = {what} (weights, batch and torch are in the baseline); one fresh "
+          "subprocess per config and round.")
+    if not any(n in rows for n in LOGPROB):
+        return
     print(f"\n## Logprob + loss (with entropy), {args.lp_tokens} tokens x hidden 768, "
           "forward + backward\n")
     print("| vocab | naive net peak MB | chunked net peak MB | naive working MB | "

@@ -555,6 +555,14 @@ class RLTrainer:
         return dict(parts=[], mbs=[], old=[], ref=[None], adv=z, mask=z, kl_coef=self.kl_ctl.value,
                     T=1.0, out={}, values=z, returns=z)
 
+    def skip_counts(self) -> dict:
+        """Steps skipped (or, one-pass, stopped) so far: spikes and non-finite gradients, from
+        the heartbeat and from a fused optimizer's own checks."""
+        st = self.opt.stats if is_fused(self.opt) else None
+        return {"skipped_spike": self.guard.skipped_spike + (st.spiked if st else 0),
+                "skipped_nonfinite": self.guard.skipped_nonfinite +
+                (st.skipped + st.partial if st else 0)}
+
     def _apply(self, fused: bool, metrics: list[dict], lr: float) -> dict:
         out = {"lr": lr}
         if self.dist.enabled:  # every rank aggregates every micro-batch: the same decisions
@@ -592,9 +600,7 @@ class RLTrainer:
         if fused and ok and not (held and not self.opt.two_pass):
             self.guard.accept(norm)  # a one-pass step stopped at a spike stays out of the mean
         out["step_skipped"] = 0 if ok else 1
-        out["skipped_spike"] = self.guard.skipped_spike + (self.opt.stats.spiked if fused else 0)
-        out["skipped_nonfinite"] = self.guard.skipped_nonfinite + \
-            (self.opt.stats.skipped + self.opt.stats.partial if fused else 0)
+        out.update(self.skip_counts())
         keys = set().union(*metrics) if metrics else set()
         for k in keys:
             vals = [m[k] for m in metrics if k in m and isinstance(m[k], (int, float))]
