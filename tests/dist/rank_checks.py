@@ -46,10 +46,10 @@ def check_fused_optimizers(d: Dist):
         tag = f"{name}/{clip}"
         ref, sh = _model(), _model()
         shard_model(sh, d)
-        o_ref = build_optimizer(name, list(ref.parameters()), lr, clip=clip,
-                                spike_factor=5.0, spike_warmup=1)
-        o_sh = build_optimizer(name, list(sh.parameters()), lr, clip=clip,
-                               spike_factor=5.0, spike_warmup=1)
+        o_ref = build_optimizer(name, list(ref.parameters()), lr, clip=clip)
+        o_sh = build_optimizer(name, list(sh.parameters()), lr, clip=clip)
+        seen = []  # one pass: the norm so far after each tensor, the same on every rank
+        o_sh.veto = lambda n: seen.append(n) or False
         o_sh.reduce_sum = d.all_sum
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -59,6 +59,10 @@ def check_fused_optimizers(d: Dist):
             o_ref.step(lambda: (_loss(ref, ids)).backward())
             o_sh.step(lambda: (_loss(sh, mine) / d.world).backward())
         assert o_sh.stats.steps == 3 and o_sh.stats.held == 0, (tag, o_sh.stats)
+        if clip == "grouped":  # every rank saw the same (whole-tensor) bounds
+            assert len(seen) == 3 * len(list(sh.parameters()))
+            theirs = d.gather_objects(seen)
+            assert all(t == seen for t in theirs), (tag, theirs)
         assert abs(o_ref.stats.last_grad_norm - o_sh.stats.last_grad_norm) < 1e-5 * max(
             1.0, o_ref.stats.last_grad_norm), (tag, o_ref.stats.last_grad_norm,
                                               o_sh.stats.last_grad_norm)

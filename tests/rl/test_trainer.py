@@ -240,13 +240,13 @@ def test_full_mode_adalomo_clip_key(clip, passes):
 
 
 def test_full_mode_one_pass_spike_stops_the_update():
+    """One pass: the heartbeat sees the norm so far after each tensor and stops there."""
     tr = make("reward.name=test_length", "train.mode=full", "train.lr=1e-3")
     tr.step()
-    for p in tr.model.parameters():  # every tensor's running gradient norm: tiny, warm
-        tr.opt.state[p].update(gnorm_mean=1e-12, gnorm_count=100)
+    tr.guard.mean, tr.guard.count = 1e-12, 100
     before = [p.detach().clone() for p in tr.model.parameters()]
     row = tr.step()
-    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1
+    assert row["step_skipped"] == 1 and row["skipped_spike"] == 1 and tr.opt.stats.vetoed == 1
     assert row["update_held"] == len(before)  # stopped at the first tensor reached
     assert all(torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
 

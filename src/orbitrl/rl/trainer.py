@@ -99,7 +99,6 @@ class RLTrainer:
         random.Random(cfg.train.seed).shuffle(self.order)
         self.data_pos = 0
         self.rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
-        self.guard = GradNormGuard()
         self.opt = self._optimizer()
         if self.dist.enabled and is_fused(self.opt):
             self.opt.reduce_sum = self.dist.all_sum  # norms and factored moments of shards
@@ -114,6 +113,7 @@ class RLTrainer:
 
             self.critic = ValueHead(self.model.config.hidden_size).to(self.device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.algo.value_lr)
+        self.guard = GradNormGuard()
         self.snapshot = Snapshot(self.policy.trainable) if cfg.train.mode == "adapter" else None
         self.iteration = 0  # steps run (skipped ones included): the metrics row key
         self.step_idx = 0  # optimizer steps taken = policy version
@@ -170,11 +170,10 @@ class RLTrainer:
         from orbitrl.train.optim import build_optimizer
 
         opt = build_optimizer(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,
-                              max_grad_norm=t.max_grad_norm, spike_factor=self.guard.factor,
-                              spike_warmup=self.guard.warmup, spike_beta=self.guard.beta)
+                              max_grad_norm=t.max_grad_norm)
         # two passes: the heartbeat vetoes a spiking update between them (nothing applied, so
-        # no snapshot of the full weights is needed); one pass (grouped): the optimizer's
-        # per-tensor check stops the update at the first spiking tensor instead
+        # no snapshot of the full weights is needed); one pass (grouped): it sees the norm so
+        # far after each tensor and stops the update once that passes its limit
         opt.veto = lambda norm: not self.guard.ok(norm)
         return opt
 
@@ -559,7 +558,7 @@ class RLTrainer:
         """Steps skipped (or, one-pass, stopped) so far: spikes and non-finite gradients, from
         the heartbeat and from a fused optimizer's own checks."""
         st = self.opt.stats if is_fused(self.opt) else None
-        return {"skipped_spike": self.guard.skipped_spike + (st.spiked if st else 0),
+        return {"skipped_spike": self.guard.skipped_spike,
                 "skipped_nonfinite": self.guard.skipped_nonfinite +
                 (st.skipped + st.partial if st else 0)}
 
@@ -597,7 +596,7 @@ class RLTrainer:
             else:  # vetoed before opt.step: weights and moments are the last good state
                 out["spike_layer"] = self.guard.worst_layer(layers)[0]
             self.opt.zero_grad(set_to_none=True)
-        if fused and ok and not (held and not self.opt.two_pass):
+        if fused and ok and not held:
             self.guard.accept(norm)  # a one-pass step stopped at a spike stays out of the mean
         out["step_skipped"] = 0 if ok else 1
         out.update(self.skip_counts())

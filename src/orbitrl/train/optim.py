@@ -38,21 +38,20 @@ maps the trainer's ``train.clip`` onto them):
 
 Both one-pass modes cannot undo updates already applied earlier in the same backward, so a
 bad gradient cannot leave all parameters unchanged; they require ``nonfinite="stop"``. Each
-gradient's squared norm is read as it arrives (one host sync per tensor) and updates stop at
-the first tensor whose gradient is non-finite (counted in ``stats.partial``) or, with
-``spike_factor`` set, whose norm passes ``spike_factor`` times that tensor's own running
-mean (after ``spike_warmup`` updates of it; counted in ``stats.spiked``): that tensor and all
-tensors after it in the backward keep their values and moments (``stats.held`` counts them),
-the tensors before it keep their update. Such a step is not counted in ``stats.steps``.
-Backward reaches the output layers first, and a gradient spike starting in the loss shows in
-every tensor, so in practice the stop happens at the first tensor and nothing changes. The
-per-tensor check is at least as strict as a global one with the same factor: when both have
-seen the same steps, the running mean of the global norm is at least the norm of the vector
-of per-tensor running means (Minkowski), so a global norm above ``factor`` times its mean
-implies some tensor above ``factor`` times its own. ``veto`` is not consulted in one pass
-(it needs the global norm before the first update); ``stats.last_grad_norm`` still reports
-the global norm after the step. Restoring an earlier state after a partial step is the
-caller's job.
+gradient's squared norm is added to the step's running sum as it arrives (one host sync per
+tensor) and updates stop at the first tensor whose gradient is non-finite (counted in
+``stats.partial``) or at which the caller's ``veto(norm)`` refuses the norm so far (counted in
+``stats.vetoed``): that tensor and all tensors after it in the backward keep their values and
+moments (``stats.held`` counts them), the tensors before it keep their update. The norm so
+far, ``sqrt(sum of the squared norms of the gradients seen)``, is a lower bound of the
+step's global norm that grows to it at the last tensor, so a veto that rises with the norm
+(the trainer's heartbeat: refuse above 5x the running mean) stops only steps the two-pass
+veto would also have refused, and stops every one of them at the latest at the last tensor;
+how early depends on the spike's size: a step whose norm is s times the running mean is
+stopped once the gradients seen hold ``(5 / s)^2`` of its squared norm -- for a norm jumping from 3 to
+300, after 0.25% of it, in practice at the first tensor (backward reaches the output layers
+first, and a spike from the loss shows in every tensor). A stopped step is not counted in
+``stats.steps``; restoring an earlier state after it is the caller's job.
 
 Gradient accumulation (``accumulation_steps=k``): summing micro-batch gradients would need
 the full gradient buffer that a fused update exists to avoid. Here each micro-batch's
@@ -91,9 +90,8 @@ class FusedStats:
     steps: int = 0            # optimizer steps = micro_steps // accumulation_steps
     skipped: int = 0          # non-finite loss/grad: nothing applied
     partial: int = 0          # one-pass only: stopped at a non-finite gradient
-    spiked: int = 0           # one-pass only: stopped at a tensor's gradient-norm spike
-    held: int = 0             # one-pass only: tensors left unchanged by those stops
-    vetoed: int = 0           # two-pass: the caller's ``veto(norm)`` refused the update
+    held: int = 0             # one-pass only: tensors left unchanged by a stop
+    vetoed: int = 0           # the caller's ``veto(norm)`` refused (one pass: stopped) the step
     last_grad_norm: float = float("nan")
     last_clip_coef: float = 1.0
     backward_passes: int = 0
@@ -117,16 +115,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         two_pass: exact clipping and atomic skip of non-finite steps (see module doc).
         nonfinite: "skip" (two-pass only) or "stop" (one-pass: stop updating, count partial).
         accumulation_steps: micro-batches per optimizer step (lr / k per micro-batch).
-        spike_factor: one pass only: stop updating at a tensor whose gradient norm passes
-            this many times its own running mean (None: no spike check).
-        spike_warmup: updates of a tensor before its spike check starts.
-        spike_beta: decay of each tensor's running mean of its gradient norm.
+
+    Attributes set by the caller:
+        veto: ``(global grad norm) -> True`` to refuse the step (two-pass: the exact norm,
+            before any update; one pass: the norm so far, after each tensor).
+        reduce_sum: in-place sum over ranks, for sharded parameters.
     """
 
     def __init__(self, params, defaults, *, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1, spike_factor: float | None = None,
-                 spike_warmup: int = 5, spike_beta: float = 0.9):
+                 accumulation_steps: int = 1):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise OrbitError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if nonfinite not in ("skip", "stop"):
@@ -139,9 +137,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         if two_pass and nonfinite == "stop":
             raise OrbitError("nonfinite='stop' is the one-pass policy; two_pass=True always "
                              "skips the whole step")
-        if spike_factor is not None and (two_pass or not spike_factor > 1):
-            raise OrbitError("spike_factor is the one-pass heartbeat and must be > 1 "
-                             "(two-pass checks the global norm with veto(norm) instead)")
         if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
             raise OrbitError(f"accumulation_steps must be an integer >= 1, got "
                              f"{accumulation_steps}")
@@ -149,8 +144,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.two_pass = two_pass
         self.nonfinite = nonfinite
         self.accumulation_steps = int(accumulation_steps)
-        self.spike_factor, self.spike_warmup, self.spike_beta = (spike_factor, spike_warmup,
-                                                                 spike_beta)
         self.stats = FusedStats()
         self._phase = "idle"
         self._sq: torch.Tensor | None = None
@@ -210,7 +203,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 sq = self._allsum(sq)
             self._sq += sq
             if self._stop is None:
-                self._stop = self._check(self.state[key], float(sq))  # one host sync
+                self._stop = self._check(float(self._sq))  # one host sync per tensor
             if self._stop is None:
                 self._update(p, g, self._group_of[id(key)], self._coef, self._lr(key),
                              **self._shard_kw(key, sharded))
@@ -218,19 +211,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.stats.held += 1
         key.grad = None
 
-    def _check(self, st: dict, sq: float) -> str | None:
-        """One pass: why this tensor must not be updated ("nonfinite" / "spike"), or None
-        after folding its gradient norm into its running mean (``st``: its state)."""
-        if not math.isfinite(sq):
+    def _check(self, sq_so_far: float) -> str | None:
+        """One pass, after a tensor's gradient: why updates must stop here ("nonfinite" /
+        "veto"), or None. ``sq_so_far``: the squared global norm of the gradients seen."""
+        if not math.isfinite(sq_so_far):
             return "nonfinite"
-        if self.spike_factor is None:
-            return None
-        norm, mean, n = math.sqrt(sq), st.get("gnorm_mean"), st.get("gnorm_count", 0)
-        if n >= self.spike_warmup and mean is not None and norm > self.spike_factor * mean:
-            return "spike"
-        b = self.spike_beta
-        st["gnorm_mean"] = norm if mean is None else b * mean + (1 - b) * norm
-        st["gnorm_count"] = n + 1
+        if self.veto is not None and self.veto(math.sqrt(sq_so_far)):
+            return "veto"
         return None
 
     def _shard_kw(self, key, sharded: bool) -> dict:
@@ -304,8 +291,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             norm = float(self._sq.sqrt())  # per-tensor sums were already summed over ranks
             self.stats.last_grad_norm = norm
             self._fold_update_sums()  # what was applied before a stop counts too
-            if self._stop == "spike":
-                self.stats.spiked += 1
+            if self._stop == "veto":
+                self.stats.vetoed += 1
                 return loss
             if self._stop is not None or not _finite(loss):
                 self.stats.partial += 1
@@ -409,16 +396,14 @@ class FusedSGD(FusedOptimizer):
         weight_decay: L2 term added to the (clipped) gradient, like ``torch.optim.SGD``.
         momentum, dampening, nesterov, maximize: accepted only at their stateless defaults
             (momentum would be a full-size state); anything else raises.
-        max_grad_norm, two_pass, nonfinite, accumulation_steps, spike_*: see
-            ``FusedOptimizer``.
+        max_grad_norm, two_pass, nonfinite, accumulation_steps: see ``FusedOptimizer``.
     """
 
     def __init__(self, params, lr: float = 1e-3, *, weight_decay: float = 0.0,
                  momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  maximize: bool = False, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1, spike_factor: float | None = None,
-                 spike_warmup: int = 5, spike_beta: float = 0.9, **torch_flags):
+                 accumulation_steps: int = 1, **torch_flags):
         _refuse_torch_flags(torch_flags, "FusedSGD")
         if momentum or dampening or nesterov:
             raise OrbitError("FusedSGD is stateless: momentum/dampening/nesterov would need a "
@@ -430,9 +415,7 @@ class FusedSGD(FusedOptimizer):
                              f"{weight_decay})")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
-                         nonfinite=nonfinite, accumulation_steps=accumulation_steps,
-                         spike_factor=spike_factor, spike_warmup=spike_warmup,
-                         spike_beta=spike_beta)
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
 
     def _update(self, p, g, group, coef, lr, **_shard):
         # elementwise: a shard updates exactly like its slice of the whole tensor
@@ -460,16 +443,14 @@ class FusedAdaLomo(FusedOptimizer):
         clip_threshold: per-tensor update RMS cap (the grouped update normalization that
             lets ``two_pass=False, max_grad_norm=None`` run without a global clip).
         weight_decay: decoupled, multiplies W by (1 - lr_t * weight_decay).
-        max_grad_norm, two_pass, nonfinite, accumulation_steps, spike_*: see
-            ``FusedOptimizer``.
+        max_grad_norm, two_pass, nonfinite, accumulation_steps: see ``FusedOptimizer``.
     """
 
     def __init__(self, params, lr: float = 1e-3, *, eps=(1e-30, 1e-3),
                  decay_rate: float = -0.8, clip_threshold: float = 1.0,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 0.3,
                  two_pass: bool = True, nonfinite: str = "skip",
-                 accumulation_steps: int = 1, spike_factor: float | None = None,
-                 spike_warmup: int = 5, spike_beta: float = 0.9, **torch_flags):
+                 accumulation_steps: int = 1, **torch_flags):
         _refuse_torch_flags(torch_flags, "FusedAdaLomo")
         if not lr > 0 or weight_decay < 0 or not clip_threshold > 0 or decay_rate >= 0:
             raise OrbitError("FusedAdaLomo: need lr > 0, weight_decay >= 0, "
@@ -478,9 +459,7 @@ class FusedAdaLomo(FusedOptimizer):
                                       clip_threshold=clip_threshold,
                                       weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, two_pass=two_pass,
-                         nonfinite=nonfinite, accumulation_steps=accumulation_steps,
-                         spike_factor=spike_factor, spike_warmup=spike_warmup,
-                         spike_beta=spike_beta)
+                         nonfinite=nonfinite, accumulation_steps=accumulation_steps)
 
     SHARDED_STATE = ("row", "sq")  # "col" (one value per column) is replicated
 
@@ -563,8 +542,7 @@ CLIPS = ("grouped", "global")
 
 
 def build_optimizer(name: str, params, lr: float, *, clip: str | None = None,
-                    max_grad_norm: float | None = 0.3, spike_factor: float | None = 5.0,
-                    **kw) -> torch.optim.Optimizer:
+                    max_grad_norm: float | None = 0.3, **kw) -> torch.optim.Optimizer:
     """The optimizer the trainer asks for by name.
 
     "adamw" is plain ``torch.optim.AdamW`` (adapters, and the full-parameter comparison:
@@ -575,11 +553,10 @@ def build_optimizer(name: str, params, lr: float, *, clip: str | None = None,
         clip: how a fused update is bounded (see the module doc). "grouped" (AdaLomo only,
             its default): one forward + backward, each tensor's update normalized by its
             own RMS, no global clip, ``max_grad_norm`` unused; updates stop at the first
-            non-finite or spiking gradient (``spike_factor``). "global" (SGD's default):
-            exact global clip at ``max_grad_norm`` by two passes; the caller's
-            ``veto(norm)`` can refuse a step before anything is applied.
+            non-finite gradient or where ``veto`` refuses the norm so far. "global" (SGD's
+            default): exact global clip at ``max_grad_norm`` by two passes; ``veto(norm)``
+            can refuse a step before anything is applied.
         max_grad_norm: the global clip ("global"; AdamW's caller clips by itself).
-        spike_factor: the one-pass per-tensor spike check ("grouped"; None: off).
     """
     if name == "adamw":
         if clip not in (None, "global"):
@@ -594,8 +571,7 @@ def build_optimizer(name: str, params, lr: float, *, clip: str | None = None,
         if name != "adalomo":
             raise OrbitError("clip='grouped' relies on AdaLomo's per-tensor update "
                              "normalization; SGD has none (use clip='global')")
-        kw |= dict(max_grad_norm=None, two_pass=False, nonfinite="stop",
-                   spike_factor=spike_factor)
+        kw |= dict(max_grad_norm=None, two_pass=False, nonfinite="stop")
     else:
         raise OrbitError(f"unknown clip {clip!r} (choose from {', '.join(CLIPS)})")
     return (FusedSGD if name == "sgd" else FusedAdaLomo)(params, lr=lr, **kw)
