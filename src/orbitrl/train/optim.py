@@ -502,20 +502,20 @@ class FusedAdaLomo(FusedOptimizer):
         u_sq = torch.linalg.vector_norm(u).square()
         pf = p.float()
         w_sq = torch.linalg.vector_norm(pf).square()
-        rms_u, rms_w = _rms(torch.stack([u_sq, w_sq]), u, full_shape, allsum)  # one reduce
-        clip = (rms_u / group["clip_threshold"]).clamp(min=1.0)
-        u.div_(clip)
-        u_sq = u_sq / clip.square()
-        lr_t = lr * max(eps2, float(rms_w))
-        # change = -lr_t * (wd * W + u): its squared norm from these sums and one dot
+        # one reduce, one host sync
+        rms_u, rms_w = _rms(torch.stack([u_sq, w_sq]), u, full_shape, allsum).tolist()
+        clip = max(1.0, rms_u / group["clip_threshold"])  # the grouped update normalization
+        lr_t = lr * max(eps2, rms_w)
+        step = lr_t / clip  # applied to the unnormalized u: no pass over u to divide it
+        # change = -(a * W + step * u): its squared norm from these sums and one dot
         a = lr_t * group["weight_decay"]
-        d_sq = lr_t * lr_t * u_sq
+        d_sq = step * step * u_sq
         if a:
-            d_sq = d_sq + a * a * w_sq + 2 * a * lr_t * _dot(pf, u)
+            d_sq = d_sq + a * a * w_sq + 2 * a * step * _dot(pf, u)
         self._note(w_sq, d_sq)
         if group["weight_decay"]:
-            pf.mul_(1 - lr_t * group["weight_decay"])
-        _write(p, pf.add_(u, alpha=-lr_t))
+            pf.mul_(1 - a)
+        _write(p, pf.add_(u, alpha=-step))
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
