@@ -277,7 +277,7 @@ def _median(rs: list[dict]) -> dict:
     ok = [r for r in rs if "error" not in r]
     if not ok:
         return rs[0]
-    out = dict(ok[0], runs=len(ok))
+    out = dict(ok[0], runs=len(ok), step_s_runs=[r["step_s"] for r in ok])
     for k in ("net_peak", "step_s", "measure_s", "apply_s"):
         if k in out:
             vals = sorted(r[k] for r in ok)
@@ -305,6 +305,8 @@ def _print_tables(rows: dict, args):
             print(f"| {n} | - | - | - | - | - | failed: {r['error'][:80]} |")
             continue
         note = r["note"]
+        if len(r.get("step_s_runs", [])) > 1:
+            note += "; step s per run " + " / ".join(f"{t:.2f}" for t in r["step_s_runs"])
         if "measure_s" in r and r["measure_s"] > 0:
             note += f"; norm pass {r['measure_s']:.2f}s + update pass {r['apply_s']:.2f}s"
         if "device_tier_peak" in r:

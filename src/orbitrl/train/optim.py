@@ -48,10 +48,11 @@ step's global norm that grows to it at the last tensor, so a veto that rises wit
 (the trainer's heartbeat: refuse above 5x the running mean) stops only steps the two-pass
 veto would also have refused, and stops every one of them at the latest at the last tensor;
 how early depends on the spike's size: a step whose norm is s times the running mean is
-stopped once the gradients seen hold ``(5 / s)^2`` of its squared norm -- for a norm jumping from 3 to
-300, after 0.25% of it, in practice at the first tensor (backward reaches the output layers
-first, and a spike from the loss shows in every tensor). A stopped step is not counted in
-``stats.steps``; restoring an earlier state after it is the caller's job.
+stopped once the gradients seen hold ``(5 / s)^2`` of its squared norm -- for a norm
+jumping from 3 to 300, after 0.25% of it, in practice at the first tensor (backward
+reaches the output layers first, and a spike from the loss shows in every tensor). A
+stopped step is not counted in ``stats.steps``; restoring an earlier state after it is the
+caller's job.
 
 Gradient accumulation (``accumulation_steps=k``): summing micro-batch gradients would need
 the full gradient buffer that a fused update exists to avoid. Here each micro-batch's
