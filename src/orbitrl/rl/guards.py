@@ -3,9 +3,13 @@
 A step whose global gradient norm exceeds ``factor`` times the running mean of recent good
 norms (after a short warm-up), or whose loss/gradients are not finite, is skipped. The check
 runs after backward and before anything is applied (adapters: before ``opt.step``; the fused
-full-parameter path: between its two passes), so the weights and optimizer moments stay the
-last good state and nothing has to be restored; the step's gradients are dropped. Per-layer
-running statistics are kept so the layer that spiked can be named in the metrics.
+full-parameter path with two passes: between them), so the weights and optimizer moments stay
+the last good state and nothing has to be restored; the step's gradients are dropped. The
+fused path with one pass (the full-mode default) can only ask after each tensor with the
+norm so far and stop there: the tensors updated before the stop keep their
+(grouped-normalized) update, and no snapshot of the full weights is kept to undo it (see
+``orbitrl.train.optim``). Per-layer running statistics are kept so the layer that spiked can
+be named in the metrics.
 ``Snapshot`` keeps the adapters as of the last applied step, to measure each update's size.
 """
 
