@@ -76,6 +76,9 @@ class RLTrainer:
             raise OrbitError("config key 'rollout.overlap': not supported under torchrun "
                              "(sharded forwards run in lockstep across ranks; a rollout "
                              "thread beside training would interleave their collectives)")
+        if cfg.train.tiers and self.dist.enabled:
+            raise OrbitError("config key 'train.tiers': one process only (under torchrun the "
+                             "weights are sharded and gathered layer by layer already)")
         self.policy = build_policy(cfg, self.device)
         if self.dist.enabled:
             from orbitrl.dist.fsdp import shard_policy
