@@ -193,3 +193,16 @@ def test_tiers_checkpoint_round_trip():
         assert row_a[k] == row_b[k], k
     for a, b in zip(after_a, tr.model.parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_resident_bytes_count_the_compute_device_only():
+    """The KV pool is sized from what is already on the compute device; a host tier (the
+    pinned layer copies of a tiered policy or reference) is not on it."""
+    from orbitrl.model.quant import FrozenLinear
+    from orbitrl.observe.memory import tensor_bytes
+
+    lin = FrozenLinear.from_linear(torch.nn.Linear(64, 32, bias=False), "int8")
+    host = [torch.zeros(1000), lin]  # fp32 [1000]; int8 [32, 64] + fp32 scale + int8 zero
+    whole = 4000 + 32 * 64 + 32 * 4 + 32
+    assert tensor_bytes(*host) == tensor_bytes(*host, device="cpu") == whole
+    assert tensor_bytes(*host, device="cuda") == 0

@@ -142,7 +142,8 @@ class RLTrainer:
             bb = kv_block_bytes(self.model, kv_dtype, r.block_size)
             plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb,
                                    available=available_memory(self.device),
-                                   resident=tensor_bytes(self.model, self.policy.reference),
+                                   resident=tensor_bytes(self.model, self.policy.reference,
+                                                         device=self.device),
                                    device=self.device.type, devices=self.dist.world)
             budget = plan["blocks"] * bb
         engine = Engine(self.model, self.tok, kv_budget_bytes=budget,
