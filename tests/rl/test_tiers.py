@@ -181,8 +181,15 @@ def test_tiers_checkpoint_round_trip():
     from orbitrl.rl.checkpoint import capture, restore
 
     tr = make("train.mode=full", "train.tiers=1", "algo.anchor_refresh_steps=1")
+    host_q = tr.policy.reference_residency.layers[0].host["self_attn.q_proj.weight"]
+    q0 = host_q.qdata.clone()
     tr.step()
-    assert tr.anchors.events  # the int8 reference was re-quantized from the tiered policy
+    # the anchor moved: the int8 reference re-quantized from the tiered policy, in place in
+    # its host copy
+    assert tr.anchors.events and not torch.equal(host_q.qdata, q0)
+    w = tr.model.model.layers[0].self_attn.q_proj.weight.detach()
+    torch.testing.assert_close(host_q.dequantize(torch.float32), w, rtol=0,
+                               atol=float(w.abs().max()) / 100)
     state = capture(tr, {})
     assert all(t.numel() == p.numel() for t, p in zip(state["trainable"], tr.policy.trainable))
     row_a = tr.step()
