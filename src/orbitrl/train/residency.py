@@ -10,7 +10,11 @@ refers to them) the grad of layer i's output arriving means layer i is about to 
 backward: it is made hot and layers i-1..i-k are prefetched; layers whose backward is done
 are released -- for trainable layers only after every parameter's gradient hook (the fused
 optimizer's update) has run, and their updated hot copy is written back to the cold copy.
-The embeddings, final norm and lm_head stay hot.
+The embeddings, final norm and lm_head stay hot. A layer's tensors are its parameters and,
+for a quantized frozen layer, its weight buffers (torchao tensor subclasses move and pin
+through their components). Between uses a host-tier layer's modules hold the host copies
+themselves, so whatever reads or writes weights between steps (checkpoints, exports, the
+reference's re-quantization) sees the stored values.
 
 Everything is device-agnostic; on a CPU-only host "device" and "host" are the same memory,
 so the behaviour is checked through ``stats`` (bytes per tier over a step, prefetch hits
@@ -341,7 +345,7 @@ class LayerResidency:
     @classmethod
     def on_device(cls, model: Decoder, device, **kw) -> "LayerResidency":
         """Tiers for a model loaded in host memory: everything but the decoder layers
-        (embeddings, final norm, lm_head, rotary tables) moves to ``device`` and stays hot;
+        (embeddings, final norm, lm_head) moves to ``device`` and stays hot;
         the layers stay where they are as the cold tier (pinned when ``device`` is CUDA)
         and are copied to ``device`` one at a time as they run. ``kw``: as the constructor.
         """
