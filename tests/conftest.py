@@ -8,6 +8,16 @@ torch.set_num_threads(int(os.environ.get("ORBITRL_TEST_THREADS", "1")))
 from hf_helpers import FAMILY_CONFIGS, make_hf_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are collected everywhere and skipped where CUDA is missing."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """family -> (directory, transformers model) saved with save_pretrained."""

@@ -68,7 +68,8 @@ class TrainSection:
     max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
     micro_batch_tokens: int = 4096
-    recompute: bool = False
+    recompute: bool = False  # activation checkpointing: each decoder layer keeps its input and reruns in backward
+    tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
     seed: int = 0
@@ -82,6 +83,14 @@ class TrainSection:
             raise OrbitError(f"config key 'train.clip' must be global or auto with optimizer "
                              f"{opt} (grouped relies on AdaLomo's per-tensor update "
                              f"normalization), got grouped")
+        _require(self, "train", ("tiers",), lambda v: v >= 0, ">= 0")
+        if self.tiers and self.mode != "full":
+            raise OrbitError("config key 'train.tiers' needs train.mode full (adapters train "
+                             "with AdamW, whose gradients outlive a layer's visit)")
+        if self.tiers and self.optimizer == "adamw":
+            raise OrbitError("config key 'train.tiers' needs a fused optimizer (train.optimizer "
+                             "auto, sgd or adalomo): a layer leaves the device right after "
+                             "its update")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The memory ledger against real orbitrl runs: predicted peak within 10% of measured.
 
-Five short RL runs (2 steps each) in fresh processes (clean RSS baselines), with different
+Six short RL runs (2 steps each) in fresh processes (clean RSS baselines), with different
 models, strategies and batch shapes. Each run writes ``predicted_peak_bytes`` (the ledger's
 ``predict_peak`` arithmetic for that run) and ``measured_peak_bytes`` (net resident
 high-water mark of the largest phase, see ``orbitrl.observe.memory``) into summary.json.
@@ -39,6 +39,11 @@ RUNS = [
                                      num_attention_heads=6, num_key_value_heads=2,
                                      vocab_size=8192),
      ["train.mode=full", "rollout.n=4", "rollout.prompts_per_step=2", "rollout.max_tokens=8"]),
+    ("full-tiers-llama30M", dict(model_type="llama", hidden_size=384, intermediate_size=1024,
+                                 num_hidden_layers=8, num_attention_heads=6,
+                                 num_key_value_heads=2, vocab_size=8192),
+     ["train.mode=full", "train.tiers=2", "rollout.n=4", "rollout.prompts_per_step=2",
+      "rollout.max_tokens=8"]),
     ("full-adamw-qwen2-20M", dict(model_type="qwen2", hidden_size=384, intermediate_size=1024,
                                   num_hidden_layers=6, num_attention_heads=6,
                                   num_key_value_heads=2, vocab_size=512,
@@ -117,5 +122,5 @@ def test_predicted_peak_within_10_percent_of_measured(tmp_path):
     print("\n" + "\n".join(lines))
     bad = [(n, e) for n, _, _, e, _ in results if abs(e) > TOL]
     within = len(results) - len(bad)
-    assert within >= 4, f"{len(bad)} runs off by more than {TOL:.0%}: {bad}"
+    assert within >= 5, f"{len(bad)} runs off by more than {TOL:.0%}: {bad}"
     assert all(abs(e) <= 0.25 for _, _, _, e, _ in results), results

@@ -331,8 +331,17 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     device the host tier is the same memory, so host terms (the full-parameter mode's int8
     reference) are added to every phase. ``devices > 1``: one rank of a torchrun run, see
     :func:`sharded_runtime_terms`.
+
+    Tiers (``rl/policy.py``), on one process: the full-mode reference on a CUDA device, or
+    any reference with ``train.tiers``, holds its embeddings, final norm and head on the
+    device and pulls its int8 layers one at a time with ``k`` prefetched (``train.tiers``
+    or 2): ``1 + k`` layers in scoring. ``train.tiers: k`` keeps the policy's layers in
+    host memory (the ledger's weight offload) with ``1 + k`` layers on the device in
+    generation and scoring; in training ``k`` while the head updates, ``2 + k`` during a
+    layer's backward (one whose updates are still landing); tiers imply recompute.
     """
     t, r = cfg.train, cfg.rollout
+    recompute = recompute or t.recompute or t.tiers > 0  # what rl/policy.py sets
     compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
     opt = t.optimizer if t.optimizer != "auto" else "adalomo"  # (read in full mode only)
     if t.mode == "adapter":
@@ -352,9 +361,33 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
                     act_bytes=int(PARAM_BYTES[compute]))
     from orbitrl.ledger.bill import RoleOptions, phase_terms
     shape = from_config(hf_config)
-    roles = RoleOptions(reference="host" if t.mode == "full" else "none")
-    terms = phase_terms(shape, strat, work, kv_blocks=kv_blocks, roles=roles, with_host=True)
+    tiers = t.tiers if n == 1 and t.mode == "full" else 0
+    pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
+    roles = RoleOptions(reference="host" if t.mode == "full" else "none",
+                        offload=2 if tiers else 0)
+    terms = phase_terms(shape, strat, work, kv_blocks=kv_blocks, roles=roles, with_host=True,
+                        prefetch_depth=(tiers or 2) if pulled else 0)
     host = terms.pop("host")
+    if tiers:
+        # training's peak is the larger of two moments: the head's fused update (the largest
+        # workspace, below) while the last k layers are still hot from the forward, and a
+        # layer's backward (2 + k layers hot, a projection-sized workspace)
+        lw = shape.gathered_layer_params * strat.bytes_per_param()
+        ws = update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
+        ws_layer = update_copies(opt) * largest_projection_params(shape) \
+            * PARAM_BYTES[strat.grad_dtype]
+        terms["train"]["comm_buffers:gather"] = int(
+            max(tiers * lw + ws, (tiers + 2) * lw + ws_layer) - ws)
+    if pulled and device == "cuda":  # the non-layer weights moved to the device
+        fixed = int((shape.total_params - shape.num_layers * shape.layer_params) \
+            * PARAM_BYTES[compute])
+        host["reference:weights"] -= fixed
+        for ph in terms.values():
+            ph["reference:fixed"] = fixed
+            if tiers:
+                ph["actor:fixed"] = fixed
+        if tiers:
+            host["actor:weights"] -= fixed
     # orbitrl's engine allocates its KV pool once and keeps it: resident in every phase
     kv = terms["rollout"]["rollout_kv:blocks"]
     terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv

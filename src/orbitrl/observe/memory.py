@@ -242,18 +242,23 @@ def _storages(t: torch.Tensor):
     yield st.data_ptr(), st.nbytes(), st
 
 
-def tensor_bytes(*holders, touch: bool = False) -> int:
+def tensor_bytes(*holders, touch: bool = False, device=None) -> int:
     """Bytes of the distinct tensor storages ``holders`` hold (tensor subclasses such as
     torchao's NF4/int8 weights counted by their inner tensors).
 
     ``touch``: read one byte per page of each CPU storage, so that storages still backed by
     a not-yet-read file mapping (weights loaded zero-copy from safetensors) are resident
     when the caller reads the RSS: otherwise they would be subtracted without being there.
+    ``device``: count only storages on that kind of device (a GPU's own bytes, leaving out
+    the host tier of a model whose layers are pulled in as they run).
     """
+    kind = torch.device(device).type if device is not None else None
     seen: dict[int, int] = {}
     for h in holders:
         for t in _tensors(h):
             for ptr, n, st in _storages(t):
+                if kind is not None and st.device.type != kind:
+                    continue
                 if ptr not in seen and touch and n and st.device.type == "cpu":
                     b = torch.empty(0, dtype=torch.uint8).set_(st)
                     int(b[::4096].sum())

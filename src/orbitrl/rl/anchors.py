@@ -88,16 +88,26 @@ class Anchors:
 
 @torch.no_grad()
 def _requantize(reference: Decoder, policy: Decoder):
-    """Copy the policy's current weights into the frozen (int8) reference, layer by layer."""
+    """Copy the policy's current weights into the frozen (int8) reference, layer by layer.
+
+    In place, into the tensors the reference already holds (the int8 data and scales of each
+    projection): a reference on tiers keeps its host copies (pinned on CUDA) and the
+    residency manager's view of them. Between steps every tiered layer is cold, so those
+    tensors are the host copies."""
     from orbitrl.model.quant import FrozenLinear
+    from orbitrl.train.residency import plain_tensors
 
     pmods = dict(policy.named_modules())
     for name, mod in list(reference.named_modules()):
         if isinstance(mod, FrozenLinear):
-            src = pmods[name]
-            new = FrozenLinear.from_linear(_cpu_linear(src), mod.fmt)
-            parent, _, child = name.rpartition(".")
-            setattr(reference.get_submodule(parent), child, new)
+            new = FrozenLinear.from_linear(_cpu_linear(pmods[name]), mod.fmt,
+                                           group_size=mod.group_size)
+            for key in ("weight", "qweight", "scales"):
+                if key in mod._buffers:
+                    pairs = zip(plain_tensors(mod._buffers[key]),
+                                plain_tensors(new._buffers[key]))
+                    for dst, src in pairs:
+                        dst.copy_(src)
     rparams = dict(reference.named_parameters())
     for name, p in policy.named_parameters():
         if name in rparams:

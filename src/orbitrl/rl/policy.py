@@ -4,7 +4,11 @@ Adapter mode: the base is quantized while loading (shard by shard) and frozen; L
 are the only trainable tensors; the reference policy is the same modules with the adapters
 switched off (or an anchored adapter snapshot, see ``anchors.py``), at no extra memory.
 Full mode: every parameter trains under a stateless update fused into backward; the
-reference is an int8 copy of the starting weights kept in host memory.
+reference is an int8 copy of the starting weights kept in host memory. When the compute
+device is not the host, the reference's layers are copied to it one at a time as they run
+(``LayerResidency``: the next ones prefetched, each released after use) and its embeddings
+and head live there; on the host it computes in place. ``train.tiers`` puts the policy's
+own layers on the same tiers (and the reference's, with the same prefetch depth).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from orbitrl.model import load_tokenizer
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.weights import load_model
+from orbitrl.train.residency import LayerResidency
 
 _BASE = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}
 
@@ -31,6 +36,8 @@ class Policy:
     path: Path
     trainable: list
     reference: Decoder | None = None  # full mode: frozen int8 copy; adapter mode: None
+    residency: LayerResidency | None = None  # train.tiers: the policy's layers on tiers
+    reference_residency: LayerResidency | None = None  # the reference pulled to the device
 
 
 def pick_device(name: str) -> torch.device:
@@ -64,18 +71,32 @@ def build_policy(cfg: Config, device) -> Policy:
         apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                    targets=cfg.lora.targets)
         trainable = adapter_parameters(model)
-        reference = None
+        reference = residency = ref_residency = None
     else:
-        if cfg.model.base_dtype not in ("fp32", "bf16"):
-            # the full-parameter policy trains its own weights; base_dtype then only names
-            # the storage of the policy (fp32/bf16); the reference is always int8
-            pass
-        model = load_model(path, dtype=dtype, device=device)
+        # base_dtype only names a frozen base's storage; the full-parameter policy trains
+        # its own weights in model.dtype and the reference is always int8
+        tiers = cfg.train.tiers
+        model = load_model(path, dtype=dtype, device="cpu" if tiers else device)
         for p in model.parameters():
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
+        residency = place_on_tiers(model, device, tiers) if tiers else None
         reference = load_base(path, "int8", dtype, "cpu")  # host-resident, frozen
         for p in reference.parameters():
             p.requires_grad_(False)
+        ref_residency = None
+        if device.type != "cpu" or tiers:
+            ref_residency = place_on_tiers(reference, device, tiers or 2)
+    model.recompute = cfg.train.recompute or cfg.train.tiers > 0
     tok = load_tokenizer(path, model.config.vocab_size)
-    return Policy(model, tok, path, trainable, reference)
+    return Policy(model, tok, path, trainable, reference, residency, ref_residency)
+
+
+def place_on_tiers(model: Decoder, device, prefetch: int) -> LayerResidency:
+    """``model`` (loaded in host memory) computing on ``device`` with its decoder layers
+    on tiers: cold in host memory, each copied to ``device`` just before it runs with the
+    next ``prefetch`` prefetched, released after use. On a CPU-only machine the hot copies
+    are still distinct buffers, so a run there takes the same copy and write-back path a
+    GPU run takes (at the cost of the copies)."""
+    return LayerResidency.on_device(model, device, prefetch=prefetch, copy_on_host=True,
+                                    keep_timeline=False)

@@ -81,6 +81,9 @@ class RLTrainer:
             raise OrbitError("config key 'rollout.overlap': not supported under torchrun "
                              "(sharded forwards run in lockstep across ranks; a rollout "
                              "thread beside training would interleave their collectives)")
+        if cfg.train.tiers and self.dist.enabled:
+            raise OrbitError("config key 'train.tiers': one process only (under torchrun the "
+                             "weights are sharded and gathered layer by layer already)")
         self.policy = build_policy(cfg, self.device)
         if self.dist.enabled:
             from orbitrl.dist.fsdp import shard_policy
@@ -149,7 +152,8 @@ class RLTrainer:
             bb = kv_block_bytes(self.model, kv_dtype, r.block_size)
             plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb,
                                    available=available_memory(self.device),
-                                   resident=tensor_bytes(self.model, self.policy.reference),
+                                   resident=tensor_bytes(self.model, self.policy.reference,
+                                                         device=self.device),
                                    device=self.device.type, devices=self.dist.world)
             budget = plan["blocks"] * bb
         engine = Engine(self.model, self.tok, kv_budget_bytes=budget,

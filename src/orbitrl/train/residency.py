@@ -10,7 +10,11 @@ refers to them) the grad of layer i's output arriving means layer i is about to 
 backward: it is made hot and layers i-1..i-k are prefetched; layers whose backward is done
 are released -- for trainable layers only after every parameter's gradient hook (the fused
 optimizer's update) has run, and their updated hot copy is written back to the cold copy.
-The embeddings, final norm and lm_head stay hot.
+The embeddings, final norm and lm_head stay hot. A layer's tensors are its parameters and,
+for a quantized frozen layer, its weight buffers (torchao tensor subclasses move and pin
+through their components). Between uses a host-tier layer's modules hold the host copies
+themselves, so whatever reads or writes weights between steps (checkpoints, exports, the
+reference's re-quantization) sees the stored values.
 
 Everything is device-agnostic; on a CPU-only host "device" and "host" are the same memory,
 so the behaviour is checked through ``stats`` (bytes per tier over a step, prefetch hits
@@ -53,14 +57,48 @@ class TierStats:
     timeline: list = field(default_factory=list)  # (event, layer, hot, warm, device_bytes)
 
 
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a tensor subclass's components
+    (torchao's Int8Tensor: qdata [out, in] int8, scale and zero point [out, 1])."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter or \
+            not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in plain_tensors(getattr(t, n))]
+
+
+def _move(t: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` applied to the plain tensors of ``t`` (through a subclass's flatten/unflatten,
+    so the quantized reference's int8 data moves and pins as stored)."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter or \
+            not hasattr(t, "__tensor_flatten__"):
+        return fn(t.detach())
+    names, ctx = t.__tensor_flatten__()
+    inner = {n: _move(getattr(t, n), fn) for n in names}
+    return type(t).__tensor_unflatten__(inner, ctx, t.shape, t.stride())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return sum(x.numel() * x.element_size() for x in plain_tensors(t))
+
+
 class _Layer:
+    """One decoder layer's tensors: its parameters (trainable or frozen) and, for a frozen
+    quantized layer, its weight buffers (``FrozenLinear.weight``)."""
+
     def __init__(self, idx: int, module: nn.Module, shapes: dict | None = None):
         self.idx, self.module = idx, module
-        self.params = dict(module.named_parameters())  # name -> Parameter
+        self.params = dict(module.named_parameters())  # name -> Parameter (as built)
+        self.slots = {}  # name -> (owning module, attribute), parameters and buffers
+        for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+            owner, _, leaf = name.rpartition(".")
+            self.slots[name] = (module.get_submodule(owner) if owner else module, leaf)
+        self.buffers = [n for n, _ in module.named_buffers()]
         shapes = shapes or {n: tuple(p.shape) for n, p in self.params.items()}
         self.meta = {n: (shapes[n], p.dtype) for n, p in self.params.items()}
         self.nbytes = sum(torch.Size(shapes[n]).numel() * p.element_size()
                           for n, p in self.params.items())
+        self.nbytes += sum(_nbytes(b) for _, b in module.named_buffers())
         self.trainable = any(p.requires_grad for p in self.params.values())
         self.host: dict[str, torch.Tensor] | None = None   # cold copies in host memory
         self.disk: dict[str, tuple[Path, str]] | None = None  # name -> (file, key)
@@ -69,6 +107,13 @@ class _Layer:
         self.event = None
         self.landed: set[int] = set()
         self.versions: dict[str, int] = {}  # p._version when made hot: changed = dirty
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the layer as the module holds it now, by name."""
+        out = {n: o._parameters[a].detach() for n, (o, a) in self.slots.items()
+               if n in self.params}
+        out.update({n: self.slots[n][0]._buffers[self.slots[n][1]] for n in self.buffers})
+        return out
 
 
 class LayerResidency:
@@ -110,8 +155,9 @@ class LayerResidency:
                 L.disk = disk[L.idx]
                 self.stats.disk_bytes += L.nbytes
             else:
-                L.host = {n: (p.detach().to("cpu").pin_memory() if pin else p.detach())
-                          for n, p in L.params.items()}
+                L.host = {n: _move(t, (lambda x: x.to("cpu").pin_memory()) if pin
+                                   else (lambda x: x.to("cpu")))
+                          for n, t in L.tensors().items()}
                 self.stats.host_bytes += L.nbytes
             self._set_params(L, None)
             m = L.module
@@ -125,10 +171,23 @@ class LayerResidency:
 
     # -- tier moves ---------------------------------------------------------------------
     def _set_params(self, L: _Layer, tensors):
+        """Point the layer's modules at ``tensors`` (hot copies) or, with None, at the cold
+        tier: the host copies themselves (checkpoints, exports and re-quantization then read
+        and write the stored weights between steps), or empty storage for a disk tier."""
+        if tensors is None and L.host is not None:
+            tensors = L.host
         for n, p in L.params.items():
             shape, dtype = L.meta[n]
-            p.data = tensors[n] if tensors is not None else torch.empty(0, dtype=dtype,
-                                                                       device=self.device)
+            t = tensors[n] if tensors is not None else torch.empty(0, dtype=dtype,
+                                                                  device=self.device)
+            if p.requires_grad:  # the same Parameter: the optimizer and grad hooks hold it
+                p.data = t
+            else:  # frozen: a fresh Parameter (works across any two devices, meta included)
+                owner, attr = L.slots[n]
+                owner._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        for n in L.buffers:
+            owner, attr = L.slots[n]
+            owner._buffers[attr] = tensors[n]
 
     def _read_disk(self, L: _Layer) -> dict:
         out = {}
@@ -148,13 +207,15 @@ class LayerResidency:
             self.stats.bytes_from_host += L.nbytes
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                L.hot = {n: t.to(self.device, non_blocking=True) for n, t in src.items()}
+                L.hot = {n: _move(t, lambda x: x.to(self.device, non_blocking=True))
+                         for n, t in src.items()}
                 L.event = torch.cuda.Event()
                 L.event.record(self.stream)
         elif self.copy and L.disk is None:
-            L.hot = {n: t.to(self.device, copy=True) for n, t in src.items()}
+            L.hot = {n: _move(t, lambda x: x.to(self.device, copy=True))
+                     for n, t in src.items()}
         else:
-            L.hot = {n: t.to(self.device) for n, t in src.items()}
+            L.hot = {n: _move(t, lambda x: x.to(self.device)) for n, t in src.items()}
         L.state = "warm"
         self.stats.fetches += 1
 
@@ -170,7 +231,8 @@ class LayerResidency:
                 cur = torch.cuda.current_stream(self.device)
                 cur.wait_event(L.event)
                 for t in L.hot.values():
-                    t.record_stream(cur)
+                    for x in plain_tensors(t):
+                        x.record_stream(cur)
                 L.event = None
             self._set_params(L, L.hot)
             L.versions = {n: p._version for n, p in L.params.items()}
@@ -277,7 +339,35 @@ class LayerResidency:
                 self._set_params(L, self._read_disk(L))
             else:
                 self._release(L)
-                self._set_params(L, {n: t.to(self.device) for n, t in L.host.items()})
+                self._set_params(L, {n: _move(t, lambda x: x.to(self.device))
+                                     for n, t in L.host.items()})
+
+    @classmethod
+    def on_device(cls, model: Decoder, device, **kw) -> "LayerResidency":
+        """Tiers for a model loaded in host memory: everything but the decoder layers
+        (embeddings, final norm, lm_head) moves to ``device`` and stays hot;
+        the layers stay where they are as the cold tier (pinned when ``device`` is CUDA)
+        and are copied to ``device`` one at a time as they run. ``kw``: as the constructor.
+        """
+        device = torch.device(device)
+        in_layers = {id(m) for m in model.model.layers.modules()}
+        moved: dict[int, nn.Parameter] = {}  # a tied head stays tied to its embedding
+        for mod in model.modules():
+            if id(mod) in in_layers:
+                continue
+            for k, p in mod._parameters.items():
+                if p is None:
+                    continue
+                if p.requires_grad:
+                    p.data = p.data.to(device)
+                else:
+                    if id(p) not in moved:
+                        moved[id(p)] = nn.Parameter(p.data.to(device), requires_grad=False)
+                    mod._parameters[k] = moved[id(p)]
+            for k, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[k] = b.to(device)
+        return cls(model, device=device, **kw)
 
     @classmethod
     def from_pretrained(cls, path, *, dtype="float32", device="cpu", prefetch: int = 2,
