@@ -75,6 +75,7 @@ def convert(gguf: Path, out: Path) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise FetchError("dequantizing a GGUF file needs the gguf package: "
                          "pip install 'orbitrl[real]' (or pip install gguf)")
+    import orbitrl  # noqa: F401  (first: filters torchao's start-up noise, orbitrl/_quiet.py)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf is not None and not args.gguf.is_file():
         print(f"fetch_real_model: error: {args.gguf}: no such file", file=sys.stderr)
         return 2
+    done = is_converted(args.out)
     try:
         out = fetch(args.out, args.cache, args.gguf)
     except FetchError as e:
         print(f"fetch_real_model: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (SmolLM2-135M-Instruct, fp32 from {GGUF_NAME}); train on it with: "
+    print(f"{'found' if done else 'wrote'} {out} (SmolLM2-135M-Instruct, fp32 from "
+          f"{GGUF_NAME}); train on it with: "
           "orbitrl train examples/grpo_smollm2.yaml")
     return 0
 
