@@ -61,6 +61,63 @@ def test_export_and_eval(run_dir, tmp_path, capsys):
     assert f"accuracy {a:.4f}" in capsys.readouterr().out  # merged == base + adapter
 
 
+def _autopeft_against_ours(adapter_dir):
+    """Logits of peft's AutoPeftModelForCausalLM loaded from the directory alone, and of our
+    model over the full-precision base with the same adapters."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    import orbitrl
+    from orbitrl.model.adapters import load_adapters
+    from orbitrl.model.builtin import resolve_model_path
+
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = resolve_model_path("builtin:tiny-arith").resolve()
+    assert cfg["base_model_name_or_path"] == str(base)
+    assert (adapter_dir / "tokenizer_config.json").exists()
+    pm = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32).eval()
+    ours = orbitrl.load_model(base)
+    ids = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = ours(ids)
+        load_adapters(ours, adapter_dir)
+        after = ours(ids)
+    assert (after - before).abs().max().item() > 1e-4  # the run's adapters moved the model
+    with torch.no_grad():
+        return pm(ids).logits, after
+
+
+@pytest.mark.parametrize("where", ["final", "export"])
+def test_peft_directory_loads_alone(run_dir, tmp_path, where):
+    from transformers import AutoTokenizer
+
+    d = run_dir / "checkpoints" / "final"
+    if where == "export":
+        assert main(["export", str(run_dir), "--format", "peft", "--out", str(tmp_path / "p")]) == 0
+        d = tmp_path / "p"
+    theirs, ours = _autopeft_against_ours(d)
+    assert (theirs - ours).abs().max().item() < 1e-5
+    assert AutoTokenizer.from_pretrained(str(d))("12+34=")["input_ids"]
+
+
+def test_export_fills_base_and_tokenizer_of_older_runs(run_dir, tmp_path):
+    """A run saved before the base path and tokenizer were recorded still exports whole."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(run_dir, old)
+    final = old / "checkpoints" / "final"
+    cfg = json.loads((final / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = None
+    (final / "adapter_config.json").write_text(json.dumps(cfg))
+    for f in final.glob("*"):
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            f.unlink()
+    assert main(["export", str(old), "--format", "peft", "--out", str(tmp_path / "p")]) == 0
+    theirs, ours = _autopeft_against_ours(tmp_path / "p")
+    assert (theirs - ours).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("args,needle", [
     (["train", "--set", "reward.name=nope"], "nope"),
     (["train", "--set", "data.train=/no/such.jsonl"], "/no/such.jsonl"),

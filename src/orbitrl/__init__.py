@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from orbitrl import _quiet  # noqa: E402
+
+_quiet.install()  # before anything imports torchao (see _quiet.py)
+
 
 def load_model(path, dtype="float32", device="cpu", **kwargs):
     """Load an HF model directory with orbitrl's own decoder (see orbitrl.model.weights)."""

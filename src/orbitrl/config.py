@@ -156,7 +156,7 @@ class DataSection:
     heldout: str = ""
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    chat_template: bool = False
+    chat_template: bool = False  # each prompt as a user turn under the model's chat template
     heldout_size: int = 200
 
 

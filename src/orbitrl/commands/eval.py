@@ -19,6 +19,9 @@ def add_arguments(parser):
     parser.add_argument("--reward", help="registered reward name (default: the task's own, "
                         "code for --task code, else exact_match)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--chat-template", action="store_true",
+                        help="wrap each prompt in the model's chat template, as training does "
+                        "with data.chat_template: true")
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
 
@@ -30,6 +33,7 @@ def run(args) -> int:
     from orbitrl.engine import Engine, Request, SamplingParams
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.builtin import resolve_model_path
+    from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rewards import RewardRunner
     from orbitrl.rl.evaluate import reward_fields
 
@@ -55,7 +59,7 @@ def run(args) -> int:
 
         load_adapters(model, args.adapter)
     engine = Engine(model, tok)
-    prompts = [tok(r[args.prompt_field], add_special_tokens=False)["input_ids"] for r in rows]
+    prompts = [encode_prompt(tok, r[args.prompt_field], args.chat_template) for r in rows]
     outs = engine.generate([Request(prompt_ids=p) for p in prompts],
                            SamplingParams(n=1, max_tokens=args.max_tokens, temperature=0.0))
     texts = [o.samples[0].text if o.error is None else "" for o in outs]

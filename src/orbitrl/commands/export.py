@@ -34,17 +34,39 @@ def run(args) -> int:
         shutil.copytree(final, out, dirs_exist_ok=True)
         print(f"exported {final} -> {out}")
         return 0
-    if args.format == "peft":
-        shutil.copytree(final, out, dirs_exist_ok=True)
-        print(f"exported adapters {final} -> {out}")
-        return 0
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.adapters import load_adapters, save_merged
     from orbitrl.model.builtin import resolve_model_path
 
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(cfg.model.path).resolve()
+    if args.format == "peft":
+        shutil.copytree(final, out, dirs_exist_ok=True)
+        _complete_peft_dir(out, path)
+        print(f"exported adapters {final} -> {out} (base {path})")
+        return 0
     model = load_model(path)  # merge over the full-precision base
     load_adapters(model, final)
     save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
     print(f"exported merged model -> {out}")
     return 0
+
+
+def _complete_peft_dir(out: Path, base: Path):
+    """Record the base directory and copy its tokenizer where a run's adapters lack them
+    (runs written before both were saved), so that peft's
+    ``AutoPeftModelForCausalLM.from_pretrained(out)`` loads the directory alone."""
+    import json
+
+    from orbitrl.model import load_tokenizer
+    from orbitrl.model.adapters import CONFIG_NAME
+
+    cfg_file = out / CONFIG_NAME
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OrbitError(f"{cfg_file}: cannot read the adapter config ({e})") from None
+    if not cfg.get("base_model_name_or_path"):
+        cfg["base_model_name_or_path"] = str(base)
+        cfg_file.write_text(json.dumps(cfg, indent=2))
+    if not (out / "tokenizer_config.json").exists():
+        load_tokenizer(base).save_pretrained(str(out))

@@ -1,6 +1,7 @@
 """``orbitrl generate``: sample completions for a JSONL file of prompts.
 
-Input rows: ``{"prompt": "text"}`` (tokenised as is, no chat template) or
+Input rows: ``{"prompt": "text"}`` (tokenised as is, or with ``--chat-template`` as one
+user turn under the model's chat template, as training does with ``data.chat_template``) or
 ``{"prompt_ids": [ints]}``, each with optional ``max_tokens``. Output: one row per
 completion, in input order, the samples of one prompt adjacent::
 
@@ -43,6 +44,8 @@ def add_arguments(parser):
     parser.add_argument("--kv-budget-mb", type=int, default=None,
                         help="KV pool size in MiB (default: see orbitrl.engine.Engine)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="wrap each text prompt in the model's chat template")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -75,6 +78,7 @@ def run(args) -> int:
 
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
+    from orbitrl.model.tokenizer import encode_prompt
 
     src = Path(args.prompts)
     if not src.is_file():
@@ -92,8 +96,11 @@ def run(args) -> int:
             p = SamplingParams(n=args.n, max_tokens=mt, temperature=args.temperature,
                                top_p=args.top_p, top_k=args.top_k,
                                seed=args.seed * 1_000_003 + i, stop=list(args.stop))
-            reqs.append(Request(prompt=row.get("prompt"), prompt_ids=row.get("prompt_ids"),
-                                params=p))
+            ids = row.get("prompt_ids")
+            if args.chat_template and "prompt" in row:
+                ids = encode_prompt(tok, row["prompt"], chat_template=True)
+            reqs.append(Request(prompt=None if ids is not None else row.get("prompt"),
+                                prompt_ids=ids, params=p))
         else:
             reqs.append(Request(prompt_ids=[], params=SamplingParams()))
         lines.append((no, err))

@@ -17,7 +17,6 @@ format and dequantizes again in backward (the gradient w.r.t. the input; the bas
 
 from __future__ import annotations
 
-import logging
 import re
 
 import torch
@@ -40,18 +39,10 @@ QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.
 
 
 def _torchao():
-    """Import torchao quietly (its optional CUDA extensions log load failures on CPU)."""
-    logs = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in logs]
-    for lg in logs:  # torchao's import also trips a torch deprecation notice per enum
-        lg.setLevel(logging.ERROR)
-    try:
-        from torchao.quantization import Int8Tensor, NF4Tensor  # noqa: F401
-        import torchao.quantization as q
-        return q
-    finally:
-        for lg, lv in zip(logs, levels):
-            lg.setLevel(lv)
+    """torchao.quantization (its start-up noise is filtered by orbitrl._quiet)."""
+    from torchao.quantization import Int8Tensor, NF4Tensor  # noqa: F401
+    import torchao.quantization as q
+    return q
 
 
 def check_format(fmt: str, device="cpu", key: str = "base_format") -> None:

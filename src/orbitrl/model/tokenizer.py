@@ -25,3 +25,32 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
         raise OrbitError(f"{path}: tokenizer has {len(tok)} tokens but the model's embedding "
                          f"has only {vocab_size} rows (vocab_size in config.json)")
     return tok
+
+
+def encode_prompt(tok, text: str, chat_template: bool = False) -> list[int]:
+    """Token ids of one prompt: the raw text, or (``chat_template``) one user turn under the
+    tokenizer's chat template followed by the assistant's generation prompt.
+
+    Every path that turns a prompt into ids (training, ``orbitrl eval``, ``orbitrl
+    generate``) goes through here, so a model sees its prompts the same way in all of them.
+    ``apply_chat_template(..., tokenize=True)`` returns a list on transformers 4.x and a
+    BatchEncoding on 5.x; both are reduced to a flat list of ints here.
+    """
+    if not chat_template:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    where = getattr(tok, "name_or_path", "") or type(tok).__name__
+    if not getattr(tok, "chat_template", None):
+        raise OrbitError(f"{where}: the tokenizer has no chat template (data.chat_template "
+                         "needs chat_template.jinja or tokenizer_config.json's chat_template)")
+    out = tok.apply_chat_template([{"role": "user", "content": text}],
+                                  add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # BatchEncoding or dict (transformers 5)
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):  # a tensor or array, if a tokenizer defaults to tensors
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):  # a batch of one conversation
+        out = out[0] if len(out) == 1 else out
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        raise OrbitError(f"{where}: apply_chat_template returned {type(out).__name__}, "
+                         "not a list of token ids")
+    return list(out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.tokenizer import encode_prompt
 
 
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
@@ -21,8 +22,9 @@ def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
 def accuracy(model: Decoder, tokenizer, rows: list[dict], reward_fn: Callable,
              prompt_field: str = "prompt", answer_field: str = "answer",
              max_tokens: int = 8, complete: Optional[Callable] = None,
-             batch_size: int = 256) -> tuple[float, list[dict]]:
-    """Mean reward of greedy completions; returns (accuracy, per-row records)."""
+             batch_size: int = 256, chat_template: bool = False) -> tuple[float, list[dict]]:
+    """Mean reward of greedy completions; returns (accuracy, per-row records). Prompts are
+    encoded as training encodes them (``chat_template`` as ``data.chat_template``)."""
     if complete is None:
         from orbitrl.engine import Engine, Request, SamplingParams
 
@@ -36,8 +38,7 @@ def accuracy(model: Decoder, tokenizer, rows: list[dict], reward_fn: Callable,
     records = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        prompts = [tokenizer(r[prompt_field], add_special_tokens=False)["input_ids"]
-                   for r in chunk]
+        prompts = [encode_prompt(tokenizer, r[prompt_field], chat_template) for r in chunk]
         for r, c in zip(chunk, complete(prompts)):
             text = tokenizer.decode(c, skip_special_tokens=True)
             score = float(reward_fn(r[prompt_field], text,

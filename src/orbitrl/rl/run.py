@@ -264,8 +264,13 @@ def save_policy(trainer, out: Path):
 def _save_policy(trainer, out: Path):
     if trainer.cfg.train.mode == "adapter":
         from orbitrl.model.adapters import save_adapters
+        from orbitrl.model.builtin import resolve_model_path
 
-        save_adapters(trainer.model, out)
+        # the base directory and the tokenizer beside the adapters: peft's
+        # AutoPeftModelForCausalLM.from_pretrained(out) then needs nothing else
+        base = resolve_model_path(trainer.cfg.model.path).resolve()
+        save_adapters(trainer.model, out, base_model_name_or_path=base)
+        trainer.tok.save_pretrained(str(out))
     else:
         from orbitrl.model.weights import save_pretrained
 

@@ -19,6 +19,7 @@ from orbitrl.dist.fsdp import idle_backward, lockstep, rollout_weights, sum_grad
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.engine.governor import KVGovernor, available_memory, hand_back
 from orbitrl.errors import OrbitError
+from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import device_peak_bytes
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
@@ -208,10 +209,7 @@ class RLTrainer:
         return rollout_weights(self.model, self.dist, d.rollout_weights, d.reshard_after_forward)
 
     def encode(self, text: str) -> list[int]:
-        if self.cfg.data.chat_template:
-            return self.tok.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return encode_prompt(self.tok, text, self.cfg.data.chat_template)
 
     # ---- evaluation ----------------------------------------------------------------
     @torch.no_grad()
