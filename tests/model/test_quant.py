@@ -102,6 +102,21 @@ def test_nf4_and_int8_are_torchao():
     assert isinstance(FrozenLinear(w, None, "int8").weight, Int8Tensor)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (384, 128), (128, 384), (256, 256)])
+def test_nf4_dequantize_is_torchao_bit_for_bit(shape, dtype):
+    """The one-gather NF4 dequantization equals torchao's, value for value and dtype."""
+    from torchao.quantization import to_nf4
+
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
+    ref = to_nf4(w, 64, 32)
+    out = quant.dequantize_nf4(ref)
+    assert out.dtype == ref.get_original_weight().dtype
+    assert torch.equal(out, ref.get_original_weight())
+    layer = FrozenLinear(w.float(), None, "nf4")
+    assert torch.equal(layer.dequantize(), layer.weight.get_original_weight())
+
+
 @pytest.fixture(scope="module")
 def wide_dir(tmp_path_factory):
     """A llama with hidden 256 (per-tensor constants amortised as in real models)."""

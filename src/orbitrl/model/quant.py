@@ -104,6 +104,45 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.floa
     return w.reshape(out, -1).to(dtype)
 
 
+# ---- NF4 dequantization ---------------------------------------------------------------------
+
+_NF4_PAIRS: dict = {}  # (device, dtype) -> [256, 2]: the two code-book values of each byte
+
+
+def _nf4_pairs(nf4: torch.Tensor) -> torch.Tensor:
+    """Byte -> (high-nibble value, low-nibble value) table [256, 2], one per device and
+    dtype (2 KiB in fp32): the NF4 code book is one constant, so every layer shares it."""
+    key = (nf4.device, nf4.dtype)
+    table = _NF4_PAIRS.get(key)
+    if table is None:
+        codes = torch.arange(256, device=nf4.device)
+        table = torch.stack([nf4[codes >> 4], nf4[codes & 0xF]], -1).contiguous()
+        _NF4_PAIRS[key] = table
+    return table
+
+
+def dequantize_nf4(w) -> torch.Tensor:
+    """torchao ``NF4Tensor.get_original_weight``, bit for bit, in a third of the kernels.
+
+    torchao splits each byte into two int64 code tensors, gathers each, scales each and
+    interleaves them with a stack (14 kernels, two int64 copies of the codes). Here one
+    gather from the byte -> value-pair table yields the values already interleaved, and
+    one multiply applies the block scales: the same products in the same dtype, so the
+    weight is identical. The double-quantized scales are decoded per call as torchao does
+    (keeping them decoded would add 4 bytes per 64 weights to the resident base).
+
+    Args:
+        w: an ``NF4Tensor`` of ``N`` values in blocks of ``w.block_size``.
+    Returns:
+        the weight in ``w.dtype``, shaped as ``w``.
+    """
+    n_sb = w.quantized_scalers.numel() // w.scaler_block_size
+    scalers = (w.quantized_scalers.view(n_sb, w.scaler_block_size)
+               / w.quantization_factor.unsqueeze(-1)).flatten().to(w.dtype) + w.scaler_mean
+    vals = _nf4_pairs(w.nf4).index_select(0, w.quantized_data.to(torch.int32))  # [N/2, 2]
+    return (vals.view(-1, w.block_size) * scalers.unsqueeze(-1)).view(w.shape)
+
+
 # ---- the module ----------------------------------------------------------------------------
 
 class _DequantLinear(torch.autograd.Function):
@@ -203,7 +242,7 @@ class FrozenLinear(nn.Module):
         if self.fmt == "int8":
             return self.weight.dequantize(dtype)
         if self.fmt == "nf4":
-            return self.weight.get_original_weight().to(dtype)
+            return dequantize_nf4(self.weight).to(dtype)
         return dequantize_int4(self.qweight, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
