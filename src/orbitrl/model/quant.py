@@ -106,18 +106,21 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype=torch.floa
 
 # ---- NF4 dequantization ---------------------------------------------------------------------
 
-_NF4_PAIRS: dict = {}  # (device, dtype) -> [256, 2]: the two code-book values of each byte
+_NF4_PAIRS: dict = {}  # (device, dtype) -> [256]: each byte's two code-book values
 
 
 def _nf4_pairs(nf4: torch.Tensor) -> torch.Tensor:
-    """Byte -> (high-nibble value, low-nibble value) table [256, 2], one per device and
-    dtype (2 KiB in fp32): the NF4 code book is one constant, so every layer shares it."""
+    """Byte -> (high-nibble value, low-nibble value), one entry per byte [256] in an integer
+    dtype twice the code book's width (so one gather moves both values; 2 KiB for fp32),
+    one table per device and dtype: the NF4 code book is one constant, shared by every
+    layer."""
     key = (nf4.device, nf4.dtype)
     table = _NF4_PAIRS.get(key)
     if table is None:
         codes = torch.arange(256, device=nf4.device)
-        table = torch.stack([nf4[codes >> 4], nf4[codes & 0xF]], -1).contiguous()
-        _NF4_PAIRS[key] = table
+        pairs = torch.stack([nf4[codes >> 4], nf4[codes & 0xF]], -1).contiguous()
+        wide = {4: torch.int64, 2: torch.int32}[nf4.element_size()]
+        table = _NF4_PAIRS[key] = pairs.view(wide).view(256)
     return table
 
 
@@ -139,8 +142,9 @@ def dequantize_nf4(w) -> torch.Tensor:
     n_sb = w.quantized_scalers.numel() // w.scaler_block_size
     scalers = (w.quantized_scalers.view(n_sb, w.scaler_block_size)
                / w.quantization_factor.unsqueeze(-1)).flatten().to(w.dtype) + w.scaler_mean
-    vals = _nf4_pairs(w.nf4).index_select(0, w.quantized_data.to(torch.int32))  # [N/2, 2]
-    return (vals.view(-1, w.block_size) * scalers.unsqueeze(-1)).view(w.shape)
+    pairs = _nf4_pairs(w.nf4).index_select(0, w.quantized_data.to(torch.int32))  # [N / 2]
+    vals = pairs.view(w.nf4.dtype).view(-1, w.block_size)  # [blocks, block], interleaved
+    return (vals * scalers.unsqueeze(-1)).view(w.shape)
 
 
 # ---- the module ----------------------------------------------------------------------------
