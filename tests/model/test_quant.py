@@ -71,6 +71,22 @@ def test_backward_keeps_no_dequantized_weight(fmt):
     assert fl.bias.grad is None and not fl.bias.requires_grad
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_forward_without_grad_is_the_same_and_records_nothing(fmt):
+    """An input that needs no gradient (rollout, scoring) skips the autograd node: the
+    output is bit for bit the one the differentiable path computes."""
+    w, b = _w()
+    fl = FrozenLinear(w, b, fmt)
+    x = torch.randn(4, 64)
+    y_grad = fl(x.clone().requires_grad_(True))
+    assert y_grad.grad_fn is not None
+    y = fl(x)
+    with torch.no_grad():
+        y_nograd = fl(x.clone().requires_grad_(True))
+    assert y.grad_fn is None and y_nograd.grad_fn is None
+    assert torch.equal(y, y_grad.detach()) and torch.equal(y_nograd, y)
+
+
 def test_int4_matches_torchao_affine_quantization():
     """Our group-wise int4 is torchao's symmetric affine int4 (scale absmax/7.5, [-8, 7]),
     packed two codes per byte."""
