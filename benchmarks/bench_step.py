@@ -21,7 +21,9 @@ higher; this is the compute), one no-grad forward per scoring pass (old policy, 
 and one forward + backward of the loss-free sum of the completion logprobs. "step / floor"
 says how many times the math the step costs; "overhead" is the step minus the floor.
 
-Timings on shared cores are noisy: compare phases within one run, and prefer medians.
+Timings on shared cores are noisy: compare phases within one run, and prefer medians. The
+step's process CPU time (every thread of the process) is printed beside its wall time: on
+cores other processes share, wall time grows with their load and CPU time much less.
 """
 
 from __future__ import annotations
@@ -74,15 +76,16 @@ def time_steps(trainer, warmup: int, steps: int) -> tuple[list[dict], list]:
         rows = []
         for i in range(warmup + steps):
             _sync(trainer.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             row = trainer.step()
             writer.write(row)
             _sync(trainer.device)
-            total = time.perf_counter() - t0
+            total, cpu = time.perf_counter() - t0, time.process_time() - c0
             if i >= warmup:
                 ms = {p: 1000 * row.get(f"time_{p}_s", 0.0) for p in PHASES}
                 ms["step"] = 1000 * total
                 ms["other"] = ms["step"] - sum(ms[p] for p in PHASES)
+                ms["cpu"] = 1000 * cpu
                 rows.append(ms)
         writer.close()
     trainer.produce = produce
@@ -140,6 +143,9 @@ def report(device: str, rows: list[dict], fl: dict, threads: int) -> str:
         m = statistics.fmean(v)
         lines.append(f"| {p} | {m:.1f} | {statistics.median(v):.1f} | "
                      f"{100 * m / step_mean:.0f}% |")
+    cpu = [r["cpu"] for r in rows]
+    lines.append(f"| step, process CPU time | {statistics.fmean(cpu):.1f} | "
+                 f"{statistics.median(cpu):.1f} | |")
     med = statistics.median(r["step"] for r in rows)
     lines += ["", "| floor (same batch, same model) | median ms |", "|---|---:|",
               f"| generate: one no-grad forward of the rollout's tokens | {fl['generate']:.1f} |",
