@@ -403,16 +403,18 @@ class RLTrainer:
                     join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
             return None
         kept = [samples[i] for i in idx]
-        full = pack(kept, self.device)
+        mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
+        # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
+        # when there are several (with one, it is that micro-batch's)
+        parts = [pack([kept[j] for j in g], self.device) for g in mbs]
+        full = parts[0] if len(parts) == 1 else pack(kept, self.device)
         mask = full.mask.clone()
         if algo.overlong == "filter":
             trunc = torch.tensor([s.truncated for s in kept], device=mask.device)
             mask = mask * (~trunc)[:, None].float()
-        mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or algo.kl_in_reward
         with torch.no_grad(), lockstep(self.model, self.dist):  # ranks' forwards in step
-            parts = [pack([kept[j] for j in g], self.device) for g in mbs]
             if self.critic is not None:
                 scored = [score(self.model, p, T, return_hidden=True) for p in parts]
                 old = [o for o, _ in scored]
