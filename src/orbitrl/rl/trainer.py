@@ -414,21 +414,29 @@ class RLTrainer:
             mask = mask * (~trunc)[:, None].float()
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or algo.kl_in_reward
+        reuse = self._old_from_update()
         with torch.no_grad(), lockstep(self.model, self.dist):  # ranks' forwards in step
             if self.critic is not None:
                 scored = [score(self.model, p, T, return_hidden=True) for p in parts]
                 old = [o for o, _ in scored]
                 old_v = [p.pad(self.critic(h)) for p, (_, h) in zip(parts, scored)]
+            elif reuse:  # the update's own forward gives them (actor_loss)
+                old = [None] * len(parts)
             else:
                 old = [score(self.model, p, T) for p in parts]
             ref = [None] * len(parts)
             if need_ref:
                 with self.anchors.anchored() as ref_model:
                     ref = [score(ref_model, p, T) for p in parts]
-        # the engine's logprobs against the trainer's recomputation, every sampled token
-        mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()] for o, p in zip(old, parts)])
+        out = {}
+        if not reuse:  # (the update's policy loss reports the same pair, from its old logprobs)
+            # the engine's logprobs against the trainer's recomputation, every sampled token
+            mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()]
+                            for o, p in zip(old, parts)])
+            out = {"logprob_mismatch_max": float(mm.max()),
+                   "logprob_mismatch_mean": float(mm.mean())}
         kl_full = _cat_padded([o - rf for o, rf in zip(old, ref)], full.mask.shape) \
-            if need_ref else None
+            if need_ref and not reuse else None
         if algo.check and self.step_idx == 0 and need_ref:
             k0 = float((kl_full.abs() * full.mask).max())
             tol = 1e-5 if cfg.train.mode == "adapter" else 5e-2
@@ -446,10 +454,21 @@ class RLTrainer:
         else:
             adv = compute_advantages(algo, rewards[idx].to(self.device), cfg.rollout.n,
                                      full.mask, kl_full, kl_coef)
-        out = {"logprob_mismatch_max": float(mm.max()),
-               "logprob_mismatch_mean": float(mm.mean())}
         return dict(parts=parts, mbs=mbs, old=old, ref=ref, adv=adv, mask=mask,
                     kl_coef=kl_coef, T=T, out=out, values=values, returns=returns)
+
+    def _old_from_update(self) -> bool:
+        """Whether the old-policy logprobs can come from the update's own forward instead of
+        a scoring pass: the weights stay as they are from scoring until every micro-batch
+        has run its forward (one epoch, an optimizer that steps after the last micro-batch,
+        not the fused one that updates during each backward), and nothing before the update
+        needs them (PPO's values, the KL penalty in the reward, the step-0 check). The
+        forward with gradients computes the same logprobs as one without (same kernels,
+        same weights: bit for bit on CPU), so the ratio is 1 on the first epoch either way;
+        one forward of the batch is saved."""
+        algo = self.cfg.algo
+        return (algo.epochs == 1 and self.critic is None and not algo.kl_in_reward
+                and not is_fused(self.opt) and not (algo.check and self.step_idx == 0))
 
     def _update(self, parts, mbs, old, ref, adv, mask, kl_coef, T, out, values=None,
                 returns=None) -> dict:
