@@ -17,7 +17,8 @@ of the mean step.
 Floor. On the last step's own samples, the same model (NF4 base + LoRA) runs only the math
 a step cannot avoid, with nothing around it: the rollout's tokens in one no-grad forward of
 the packed batch (generation computes those tokens one at a time, so its real floor is
-higher; this is the compute), one no-grad forward per scoring pass (old policy, reference),
+higher; this is the compute), one no-grad forward per scoring pass the step runs (the
+reference; the old policy too where the update cannot supply its logprobs),
 and one forward + backward of the loss-free sum of the completion logprobs. "step / floor"
 says how many times the math the step costs; "overhead" is the step minus the floor.
 
@@ -109,6 +110,15 @@ def floor(trainer, samples, repeat: int) -> dict:
         with torch.no_grad(), trainer.anchors.anchored() as ref_model:
             score(ref_model, batch, T)
 
+    # the scoring passes the step runs: the old policy's unless the update supplies it
+    old_pass = not getattr(trainer, "_old_from_update", lambda: False)()
+
+    def scoring():
+        if old_pass:
+            fwd()
+        if need_ref:
+            ref()
+
     def fwd_bwd():
         model.train()
         lp = score(model, batch, T)
@@ -118,8 +128,7 @@ def floor(trainer, samples, repeat: int) -> dict:
             p.grad = None
 
     out = {}
-    for name, fn in (("generate", fwd), ("score", lambda: (fwd(), need_ref and ref())),
-                     ("train", fwd_bwd)):
+    for name, fn in (("generate", fwd), ("score", scoring), ("train", fwd_bwd)):
         fn()
         times = []
         for _ in range(repeat):
@@ -130,6 +139,7 @@ def floor(trainer, samples, repeat: int) -> dict:
             times.append(1000 * (time.perf_counter() - t0))
         out[name] = statistics.median(times)
     out["total"] = out["generate"] + out["score"] + out["train"]
+    out["score_passes"] = int(old_pass) + int(need_ref)
     return out
 
 
@@ -149,7 +159,8 @@ def report(device: str, rows: list[dict], fl: dict, threads: int) -> str:
     med = statistics.median(r["step"] for r in rows)
     lines += ["", "| floor (same batch, same model) | median ms |", "|---|---:|",
               f"| generate: one no-grad forward of the rollout's tokens | {fl['generate']:.1f} |",
-              f"| score: the scoring forwards (old, reference) | {fl['score']:.1f} |",
+              f"| score: the step's no-grad scoring forwards ({fl['score_passes']}) | "
+              f"{fl['score']:.1f} |",
               f"| train: forward + backward | {fl['train']:.1f} |",
               f"| total | {fl['total']:.1f} |", "",
               f"step / floor: {med / fl['total']:.2f}x (median step {med:.1f} ms, overhead "
