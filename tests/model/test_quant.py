@@ -71,6 +71,22 @@ def test_backward_keeps_no_dequantized_weight(fmt):
     assert fl.bias.grad is None and not fl.bias.requires_grad
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_forward_without_grad_is_the_same_and_records_nothing(fmt):
+    """An input that needs no gradient (rollout, scoring) skips the autograd node: the
+    output is bit for bit the one the differentiable path computes."""
+    w, b = _w()
+    fl = FrozenLinear(w, b, fmt)
+    x = torch.randn(4, 64)
+    y_grad = fl(x.clone().requires_grad_(True))
+    assert y_grad.grad_fn is not None
+    y = fl(x)
+    with torch.no_grad():
+        y_nograd = fl(x.clone().requires_grad_(True))
+    assert y.grad_fn is None and y_nograd.grad_fn is None
+    assert torch.equal(y, y_grad.detach()) and torch.equal(y_nograd, y)
+
+
 def test_int4_matches_torchao_affine_quantization():
     """Our group-wise int4 is torchao's symmetric affine int4 (scale absmax/7.5, [-8, 7]),
     packed two codes per byte."""
@@ -100,6 +116,21 @@ def test_nf4_and_int8_are_torchao():
     # 96*64/64 = 96 blocks: the scaler block shrinks to gcd(96, 256) = 32
     assert torch.equal(nf.dequantize(), to_nf4(w, 64, 32).get_original_weight())
     assert isinstance(FrozenLinear(w, None, "int8").weight, Int8Tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (384, 128), (128, 384), (256, 256)])
+def test_nf4_dequantize_is_torchao_bit_for_bit(shape, dtype):
+    """The one-gather NF4 dequantization equals torchao's, value for value and dtype."""
+    from torchao.quantization import to_nf4
+
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
+    ref = to_nf4(w, 64, 32)
+    out = quant.dequantize_nf4(ref)
+    assert out.dtype == ref.get_original_weight().dtype
+    assert torch.equal(out, ref.get_original_weight())
+    layer = FrozenLinear(w.float(), None, "nf4")
+    assert torch.equal(layer.dequantize(), layer.weight.get_original_weight())
 
 
 @pytest.fixture(scope="module")

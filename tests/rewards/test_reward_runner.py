@@ -65,6 +65,24 @@ def test_faults_are_scored_zero_and_counted():
     assert (m["reward_bad_type_errors"], m["reward_exact_match_errors"]) == (2.0, 0.0)
     assert (m["reward_errors_total"], m["reward_timeouts_total"]) == (5.0, 1.0)
     assert runner.leaked_threads == 1
+    # the stuck worker was replaced: the next batch still scores every call
+    assert runner(PROMPTS, COMPLETIONS, FIELDS).per_source["hangs"][0] == 1.0
+
+
+def test_workers_are_reused_across_batches():
+    """Calls run on at most max_workers persistent threads, not one thread per call."""
+    seen = set()
+
+    def who(prompt, completion, **f):
+        seen.add(threading.current_thread())  # (idents are reused, objects are not)
+        return 1.0
+
+    runner = RewardRunner([RewardSource(who)], timeout_s=5.0, max_workers=2)
+    before = threading.active_count()
+    for _ in range(3):
+        assert runner(PROMPTS * 4, COMPLETIONS * 4, FIELDS * 4).rewards == [1.0] * 12
+    assert len(seen) <= 2 and threading.current_thread() not in seen
+    assert threading.active_count() - before <= 2
 
 
 def test_inline_mode_and_kwargs():

@@ -355,3 +355,39 @@ def test_memory_pressure_mid_run_throttles_the_pool_and_the_step_completes():
     row = tr.step()
     assert row["kv_throttle_events"] >= 1 and row["step_skipped"] == 0
     assert row["groups_kept"] == 2 and tr.engine.pool.num_blocks < before
+
+
+def test_old_logprobs_from_the_update_forward_change_nothing(monkeypatch):
+    """One epoch, AdamW: the update's own forward supplies the old-policy logprobs, one
+    scoring pass fewer, and the run is bit for bit the one with the scoring pass."""
+    import orbitrl.rl.trainer as T
+
+    calls = []
+    real_score = T.score
+    monkeypatch.setattr(T, "score", lambda *a, **k: calls.append(1) or real_score(*a, **k))
+
+    def run(reuse: bool):
+        tr = make("reward.name=test_length", "algo.check=false")
+        if not reuse:
+            tr._old_from_update = lambda: False
+        assert tr._old_from_update() is reuse
+        calls.clear()
+        rows = [tr.step() for _ in range(3)]
+        return rows, adapters(tr), len(calls)
+
+    rows_a, ad_a, n_a = run(True)
+    rows_b, ad_b, n_b = run(False)
+    assert n_b == 2 * n_a  # scoring passes: the reference only, against old + reference
+    assert all(torch.equal(a, b) for a, b in zip(ad_a, ad_b))
+    for ra, rb in zip(rows_a, rows_b):
+        for k in ("reward_mean", "grad_norm", "kl", "entropy", "ratio_mean", "ratio_max",
+                  "pg_loss", "logprob_mismatch_max", "logprob_mismatch_mean", "update_norm"):
+            assert ra[k] == rb[k], k
+
+
+@pytest.mark.parametrize("over", [["algo.epochs=2"], ["algo.kl_in_reward=true"],
+                                  ["train.mode=full"], ["algo.name=ppo"]])
+def test_old_logprobs_get_their_own_pass_when_the_update_cannot_give_them(over):
+    tr = make("reward.name=test_length", "algo.check=false", *over)
+    assert not tr._old_from_update()
+    assert tr.step()["step_skipped"] == 0

@@ -90,9 +90,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if rows:
         # inverse CDF: one uniform per row, from the row's own generator when it has one
         u = torch.rand(len(rows), generator=default)
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
-                u[j] = torch.rand(1, generator=generators[i])[0]
+        own = [j for j, i in enumerate(rows) if generators[i] is not None]
+        if own:  # one draw from each row's own stream, written into u in one op
+            u[own] = torch.cat([torch.rand(1, generator=generators[rows[j]]) for j in own])
         u = u.to(dev)
         if plain:
             w = e if len(plain) == b else e[plain_sel]

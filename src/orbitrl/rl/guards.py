@@ -72,13 +72,17 @@ def layer_grad_norms(named_params, reduce=None) -> dict[str, float]:
 
     ``reduce``: an in-place sum over ranks, when the gradients are sharded (each rank then
     sums the squares of its shards and the per-layer sums are reduced in one call)."""
-    acc: dict[str, float] = {}
+    keys, sums = [], []
     for name, p in named_params:
         if p.grad is None:
             continue
         parts = name.split(".")
-        key = ".".join(parts[:3]) if name.startswith("model.layers.") else parts[0]
-        acc[key] = acc.get(key, 0.0) + float(local(p.grad).detach().float().pow(2).sum())
+        keys.append(".".join(parts[:3]) if name.startswith("model.layers.") else parts[0])
+        sums.append(local(p.grad).detach().float().pow(2).sum())
+    acc: dict[str, float] = {}
+    # one host sync for all parameters; summed per layer in the same order as one by one
+    for key, v in zip(keys, torch.stack(sums).tolist() if sums else []):
+        acc[key] = acc.get(key, 0.0) + v
     if reduce is not None and acc:
         keys = sorted(acc)
         vec = reduce(torch.tensor([acc[k] for k in keys], dtype=torch.float64))
@@ -101,11 +105,13 @@ class Snapshot:
     def update_size(self, reduce=None) -> dict:
         """Norm of the change since the last save, absolute and relative to the weights
         (``reduce``: an in-place sum over ranks when the tensors are shards)."""
-        sq = torch.tensor([
-            sum(float((local(p).detach() - local(s)).float().pow(2).sum())
-                for s, p in zip(self.saved, self.params)),
-            sum(float(local(s).float().pow(2).sum()) for s in self.saved)],
-            dtype=torch.float64)
+        n = len(self.saved)
+        per = torch.stack([(local(p).detach() - local(s)).float().pow(2).sum()
+                           for s, p in zip(self.saved, self.params)]
+                          + [local(s).float().pow(2).sum() for s in self.saved]).tolist() \
+            if n else []
+        # one host sync; each total summed in float64 in the same order as one by one
+        sq = torch.tensor([sum(per[:n]), sum(per[n:])], dtype=torch.float64)
         if reduce is not None:
             sq = reduce(sq)
         d, w = math.sqrt(sq[0]), math.sqrt(sq[1])

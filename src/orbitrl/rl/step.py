@@ -64,8 +64,12 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
                kl_coef: float, temperature: float, denom: float, norm_len: int,
                critic=None, old_values=None, returns=None):
     """Policy loss (+ KL term, + the critic's value loss for PPO) of one micro-batch;
-    returns (loss, metrics)."""
+    returns (loss, metrics). ``old_logp`` None: the old policy is the one computing this
+    forward (nothing changed the weights since the rollout was scored; see
+    ``RLTrainer._old_from_update``), so its logprobs are this forward's, detached."""
     logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True)
+    if old_logp is None:
+        old_logp = logp.detach()
     loss, m = policy_loss(logp, old_logp, adv, mb.mask, clip_low=algo.clip_low,
                           clip_high=algo.clip_high,
                           ratio_level="sequence" if algo.seq_level_ratio else "token",

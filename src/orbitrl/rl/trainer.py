@@ -425,32 +425,42 @@ class RLTrainer:
                     join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
             return None
         kept = [samples[i] for i in idx]
-        full = pack(kept, self.device)
+        mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
+        # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
+        # when there are several (with one, it is that micro-batch's)
+        parts = [pack([kept[j] for j in g], self.device) for g in mbs]
+        full = parts[0] if len(parts) == 1 else pack(kept, self.device)
         mask = full.mask.clone()
         if algo.overlong == "filter":
             trunc = torch.tensor([s.truncated for s in kept], device=mask.device)
             mask = mask * (~trunc)[:, None].float()
-        mbs = micro_batches(kept, cfg.train.micro_batch_tokens)
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or algo.kl_in_reward
+        reuse = self._old_from_update()
         with torch.no_grad(), lockstep(self.model, self.dist):  # ranks' forwards in step
-            parts = [pack([kept[j] for j in g], self.device) for g in mbs]
             if self.critic is not None:
                 scored = [score(self.model, p, T, return_hidden=True) for p in parts]
                 old = [o for o, _ in scored]
                 old_v = [p.pad(self.critic(h)) for p, (_, h) in zip(parts, scored)]
+            elif reuse:  # the update's own forward gives them (actor_loss)
+                old = [None] * len(parts)
             else:
                 old = [score(self.model, p, T) for p in parts]
             ref = [None] * len(parts)
             if need_ref:
                 with self.anchors.anchored() as ref_model:
                     ref = [score(ref_model, p, T) for p in parts]
-        # the engine's logprobs against the trainer's recomputation, every sampled token
-        mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()] for o, p in zip(old, parts)])
+        out = {}
+        if not reuse:  # (the update's policy loss reports the same pair, from its old logprobs)
+            # the engine's logprobs against the trainer's recomputation, every sampled token
+            mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()]
+                            for o, p in zip(old, parts)])
+            out = {"logprob_mismatch_max": float(mm.max()),
+                   "logprob_mismatch_mean": float(mm.mean())}
         # per-token KL to the reference with the configured estimator (the reward penalty,
-        # kl_in_reward, uses it as is; the step-0 check reads it)
+        # kl_in_reward, uses it as is; the step-0 check reads it; neither reuses old logprobs)
         kl_full = _cat_padded([kl_estimate(o, rf, algo.kl_estimator) for o, rf in zip(old, ref)],
-                              full.mask.shape) if need_ref else None
+                              full.mask.shape) if need_ref and not reuse else None
         if algo.check and self.step_idx == 0 and need_ref:
             k0 = float((kl_full.abs() * full.mask).max())
             tol = 1e-5 if cfg.train.mode == "adapter" else 5e-2
@@ -468,10 +478,21 @@ class RLTrainer:
         else:
             adv = compute_advantages(algo, rewards[idx].to(self.device), cfg.rollout.n,
                                      full.mask, kl_full, kl_coef)
-        out = {"logprob_mismatch_max": float(mm.max()),
-               "logprob_mismatch_mean": float(mm.mean())}
         return dict(parts=parts, mbs=mbs, old=old, ref=ref, adv=adv, mask=mask,
                     kl_coef=kl_coef, T=T, out=out, values=values, returns=returns)
+
+    def _old_from_update(self) -> bool:
+        """Whether the old-policy logprobs can come from the update's own forward instead of
+        a scoring pass: the weights stay as they are from scoring until every micro-batch
+        has run its forward (one epoch, an optimizer that steps after the last micro-batch,
+        not the fused one that updates during each backward), and nothing before the update
+        needs them (PPO's values, the KL penalty in the reward, the step-0 check). The
+        forward with gradients computes the same logprobs as one without (same kernels,
+        same weights: bit for bit on CPU), so the ratio is 1 on the first epoch either way;
+        one forward of the batch is saved."""
+        algo = self.cfg.algo
+        return (algo.epochs == 1 and self.critic is None and not algo.kl_in_reward
+                and not is_fused(self.opt) and not (algo.check and self.step_idx == 0))
 
     def _update(self, parts, mbs, old, ref, adv, mask, kl_coef, T, out, values=None,
                 returns=None) -> dict:
