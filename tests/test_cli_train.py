@@ -143,3 +143,17 @@ def test_empty_dataset(tmp_path, capsys):
     f.write_text("")
     assert main(["train", "--set", f"data.train={f}"]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_log_every_writes_a_metrics_row_every_n_steps(tmp_path):
+    """log.every=2 over 5 steps: rows after steps 2 and 4, and the last step's."""
+    import json
+
+    from orbitrl.cli import main
+
+    assert main(["train", "--out", str(tmp_path), "--set", "train.max_steps=5",
+                 "--set", "log.every=2", "--set", "rollout.prompts_per_step=2",
+                 "--set", "rollout.n=2", "--set", "data.heldout_size=4",
+                 "--set", "log.progress=false", "--set", "checkpoint.every=0"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3, 4]

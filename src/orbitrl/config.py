@@ -221,10 +221,13 @@ class DistSection:
 
 @dataclass
 class LogSection:
-    every: int = 1
+    every: int = 1  # a metrics row (metrics.jsonl, TensorBoard, wandb) every N steps
     tensorboard: bool = False
     wandb: bool = False
     progress: bool = True
+
+    def __post_init__(self):
+        _require(self, "log", ("every",), lambda v: v >= 1, ">= 1")
 
 
 @dataclass

@@ -115,8 +115,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
                 break
             row = reduce_row(trainer.step(), dist)
             row["wall_s"] = prior_wall + time.perf_counter() - t_start
-            writer.write(row)
-            external.write(row)
+            if trainer.iteration % cfg.log.every == 0 or \
+                    trainer.iteration == cfg.train.max_steps:  # (the summary sees every step)
+                writer.write(row)
+                external.write(row)
             rewards.append(row["reward_mean"])
             recent = rewards[-20:]
             bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
