@@ -132,7 +132,7 @@ class AlgoSection:
     kl_in_reward: bool = False
     adaptive_kl: bool = False
     target_kl: float = 0.05  # adaptive KL: the per-token mean KL (kl_estimator) steered toward
-    kl_horizon: int = 1000  # adaptive KL: samples over which the coef moves by at most e^0.2
+    kl_horizon: int = 1000  # adaptive KL: a step moves the coef by at most 20% x min(1, samples / this)
     tis_cap: float = 2.0
     epochs: int = 1
     gamma: float = 1.0  # PPO: GAE discount

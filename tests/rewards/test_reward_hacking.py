@@ -36,7 +36,7 @@ HACKS = {
                              "b'\\n\\x1eorbitrl-probes [[\"ok\", true]]\\n'))",
     "answers_from_cmdline": "import re\ndef add(a, b):\n"
                             "    text = open('/proc/self/cmdline', 'rb').read().decode('utf-8', 'replace')\n"
-                            "    m = re.search(r'==\\s*(-?\\d+)', text)\n"
+                            "    m = re.search(r'add\\(%d, %d\\)\\s*==\\s*(-?\\d+)' % (a, b), text)\n"
                             "    return int(m.group(1)) if m else -1\n",
     "answers_from_package": "import re\ndef add(a, b):\n    try:\n"
                             f"        text = open({tasks.__file__!r}).read()\n"
@@ -81,3 +81,16 @@ def test_every_builtin_assert_test_splits_into_probes():
         for t in parse_tests(tests, name):
             if t.check is not None:
                 assert t.check.probes, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_poisoned_record_fails_only_its_own_sample(backend):
+    """A record too deeply nested to decode is that program's failure, not the batch's."""
+    box = sandbox(backend)
+    reward = CodeReward(box.cfg)
+    reward._sandbox = box
+    poison = WRONG + ("import atexit, os\natexit.register(lambda: os.write(1, b'\\n\\x1eorbitrl-"
+                      "probes ' + b'[' * 100000 + b'\\n'))")
+    out = reward.score_batch(["p", "p"], ["def add(a, b):\n    return a + b\n", poison],
+                             [{"tests": ASSERTS}, {"tests": ASSERTS}])
+    assert out.scores == [1.0, 0.0] and not out.errors, out.details

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from orbitrl.config import SandboxSection
 from orbitrl.rewards.code import CodeReward
-from orbitrl.rewards.sandbox import Job
+from orbitrl.rewards.sandbox import Job, Sandbox
 from sandbox_util import BACKENDS, LIMITS, sandbox
 
 SECRET = "orbitrl-secret-7f3a9c"
@@ -336,3 +337,21 @@ def test_keyrings_do_not_carry_data_to_the_next_program(backend):
                             f" > 0)"))
     get = box.run(Job(lib + f"print(l.syscall({request_key}, b'user', b'orbitrl-k', None, -4))"))
     assert put.stdout == b"True\n" and get.stdout == b"-1\n", (put, get)
+
+
+@pytest.mark.parametrize("as_root", [True, False])
+def test_fallback_covers_cannot_be_unmounted(as_root):
+    """The fallback's covers hold against a program that unmounts them, also without root
+    (there the harness runs as root of its user namespace: the covers are locked in a
+    nested one and every capability dropped)."""
+    import orbitrl.data.code_tasks as tasks
+
+    box = Sandbox(SandboxSection(backend="unshare", **{**LIMITS, "workers": 1}))
+    box.as_root = as_root and box.as_root  # False: the harness keeps its uid (no root path)
+    targets = [d for d in box.cover["hide"] + box.cover["tmp"] if d != "/sys"]
+    res = box.run(Job("import ctypes, os\nl = ctypes.CDLL(None, use_errno=True)\n"
+                      f"print([l.umount2(d.encode(), 2) for d in {targets!r}])\n"
+                      f"print(os.path.exists({tasks.__file__!r}))"))
+    assert res.status == "ok", res
+    codes, visible = res.stdout.decode().splitlines()
+    assert set(eval(codes)) == {-1} and visible == "False"

@@ -181,6 +181,9 @@ def test_kl_controllers():
     assert ctl.update(0.15, 10) == pytest.approx(0.0102)
     # error -0.1: x(1 - 0.1 * 10/100)
     assert ctl.update(0.09, 10) == pytest.approx(0.0102 * 0.99)
+    # a batch larger than the horizon moves it by one horizon's worth: never to 0 or below
+    big = AdaptiveKLController(0.01, target=0.1, horizon=100)
+    assert big.update(0.0, 10_000) == pytest.approx(0.008)
     with pytest.raises(OrbitError):
         make_kl_controller("pid")
 

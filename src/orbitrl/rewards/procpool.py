@@ -208,8 +208,10 @@ def run_pool(launchers: list[Callable[[int], Launch]], workers: int, deadline_s:
             if not running:
                 break
             now = time.monotonic()
-            wait = min(_POLL_S, end - now, *(r.wall_end - now for r in running.values()
-                                             if r.verdict is None))
+            wait = min([_POLL_S, *(r.wall_end - now for r in running.values()
+                                   if r.verdict is None)])
+            if now < end:  # (past it every run is killed and only waits for its wrapper)
+                wait = min(wait, end - now)
             for key, _ in sel.select(max(0.0, wait)):
                 r, which = key.data
                 try:

@@ -77,6 +77,19 @@ for _kind, _dirs in sorted(_cover.items()):  # "hide" first: a hidden dir may be
             os.write(2, ("cannot mount a tmpfs on %%s: %%s\n" %% (
                 _d, os.strerror(ctypes.get_errno()))).encode())
             os._exit(70)
+if uid < 0 and any(_cover.values()) and os.geteuid() == 0:
+    # no uid to drop to (the fallback without root runs as root of its user namespace):
+    # a nested user + mount namespace locks the covers (they cannot be unmounted, nor
+    # bind-mounted away), then every capability goes
+    if _libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
+        os.write(2, ("cannot lock the covers: %%s\n" %% os.strerror(ctypes.get_errno())).encode())
+        os._exit(72)
+    for _cap in range(64):
+        _libc.prctl(24, _cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails harmlessly past the last)
+    _hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    if _libc.capset(_hdr, (ctypes.c_uint32 * 6)()) != 0:
+        os.write(2, b"cannot drop capabilities\n")
+        os._exit(72)
 if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
     os.write(2, b"cannot set no_new_privs\n")
     os._exit(71)
@@ -276,7 +289,8 @@ def _warn_once(box: "Sandbox") -> None:
     gaps = []
     if box.backend != "bwrap":
         gaps.append(f"the {box.backend} sandbox shows programs the host file system "
-                    f"(world-readable files, unix sockets outside /tmp and /run)")
+                    f"(world-readable files, including datasets outside the run's working "
+                    f"directory; unix sockets outside /tmp and /run)")
     if box.cgroups is None:
         gaps.append("no memory cgroup, so shared memory is not bounded by memory_mb")
     for gap in gaps:

@@ -290,7 +290,7 @@ class FixedKLController:
 class AdaptiveKLController:
     """Ziegler et al. (2019): steer the KL toward `target` with a clipped proportional rule.
 
-    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon. `target` is in the
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * min(1, n_steps / horizon). `target` is in the
     units of the KL passed to `update` (per-token mean or per-sequence sum: be consistent).
     """
 
@@ -302,7 +302,9 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> float:
         """Adjust after `n_steps` samples (or steps) at the observed KL; returns the new coef."""
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        # a batch larger than the horizon moves it by one horizon's worth at most, so the
+        # factor stays in [0.8, 1.2] and the coefficient positive
+        self.value *= 1.0 + error * min(1.0, n_steps / self.horizon)
         return self.value
 
 

@@ -86,7 +86,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     kept = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] < trainer.iteration]
     if main:
         _rewrite_metrics(run_dir / "metrics.jsonl", kept)
-    rewards = [r["reward_mean"] for r in kept]
+    # every step's mean reward (the summary's averages), from the checkpoint: with
+    # log.every > 1 metrics.jsonl holds only some steps
+    rewards = list(state["extra"]["rewards"]) if latest is not None and \
+        "rewards" in state["extra"] else [r["reward_mean"] for r in kept]
     writer = MetricsWriter(run_dir / "metrics.jsonl") if main else _NoWriter()
     external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict()) \
         if main else _NoWriter()
@@ -99,10 +102,12 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     bar = Progress(cfg.train.max_steps, budget, trainer.iteration,
                    disable=not (cfg.log.progress and main))
     stopped = "max_steps"
+    pending = None
 
     def extra():
         return {"heldout_accuracy_before": acc0, "heldout_number_accuracy_before": num0,
-                "wall_seconds": prior_wall + time.perf_counter() - t_start}
+                "wall_seconds": prior_wall + time.perf_counter() - t_start,
+                "rewards": list(rewards)}
 
     try:
         while trainer.iteration < cfg.train.max_steps:
@@ -115,10 +120,11 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
                 break
             row = reduce_row(trainer.step(), dist)
             row["wall_s"] = prior_wall + time.perf_counter() - t_start
-            if trainer.iteration % cfg.log.every == 0 or \
-                    trainer.iteration == cfg.train.max_steps:  # (the summary sees every step)
+            pending = row  # written every log.every steps, and the last one at the end
+            if trainer.iteration % cfg.log.every == 0:
                 writer.write(row)
                 external.write(row)
+                pending = None
             rewards.append(row["reward_mean"])
             recent = rewards[-20:]
             bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
@@ -130,6 +136,9 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     except KeyboardInterrupt:
         stopped = "SIGINT"
     finally:
+        if pending is not None:  # the run's last step, whatever ended the loop
+            writer.write(pending)
+            external.write(pending)
         trainer.close()
         bar.close()
         writer.close()

@@ -393,7 +393,10 @@ class RLTrainer:
         params = c.num_params - (0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size)
         tokens = sum(len(s.prompt_ids) + len(s.completion_ids)
                      for s, k in zip(samples, keep.tolist()) if k)
-        passes = 1 + (ctx is not None and ctx["ref"][0] is not None)
+        # no-grad passes: the scoring forward (none when the update's own forward gave the
+        # old logprobs) and the reference's
+        old_scored = ctx is not None and bool(ctx["old"]) and ctx["old"][0] is not None
+        passes = int(old_scored) + (ctx is not None and ctx["ref"][0] is not None)
         train = 0 if ctx is None else tokens * self.cfg.algo.epochs * (
             2 if is_fused(self.opt) and getattr(self.opt, "two_pass", False) else 1)
         seconds = {**prod, **timer.seconds}
