@@ -155,14 +155,14 @@ class _DequantLinear(torch.autograd.Function):
         return grad @ ctx.mod.dequantize(grad.dtype), None
 
 
-def _leaf_tensors(t: torch.Tensor):
+def leaf_tensors(t: torch.Tensor):
     """Plain tensors behind a (possibly subclassed) tensor, e.g. NF4's codes and scales."""
     if hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         for n in names:
             inner = getattr(t, n)
             if inner is not None:
-                yield from _leaf_tensors(inner)
+                yield from leaf_tensors(inner)
     else:
         yield t
 
@@ -171,7 +171,7 @@ def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (subclasses unpacked)."""
     seen, total = set(), 0
     for t in tensors:
-        for leaf in _leaf_tensors(t):
+        for leaf in leaf_tensors(t):
             s = leaf.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())

@@ -95,7 +95,7 @@ def _requantize(reference: Decoder, policy: Decoder):
     residency manager's view of them. Between steps every tiered layer is cold, so those
     tensors are the host copies."""
     from orbitrl.model.quant import FrozenLinear
-    from orbitrl.train.residency import plain_tensors
+    from orbitrl.model.quant import leaf_tensors
 
     pmods = dict(policy.named_modules())
     for name, mod in list(reference.named_modules()):
@@ -104,8 +104,8 @@ def _requantize(reference: Decoder, policy: Decoder):
                                            group_size=mod.group_size)
             for key in ("weight", "qweight", "scales"):
                 if key in mod._buffers:
-                    pairs = zip(plain_tensors(mod._buffers[key]),
-                                plain_tensors(new._buffers[key]))
+                    pairs = zip(leaf_tensors(mod._buffers[key]),
+                                leaf_tensors(new._buffers[key]))
                     for dst, src in pairs:
                         dst.copy_(src)
     rparams = dict(reference.named_parameters())

@@ -99,7 +99,9 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS) -> PackedB
 
 
 def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
-    """Indices of samples grouped so each group's packed length stays under max_tokens."""
+    """Indices of samples grouped so each group's sample tokens (prompt + completion, not
+    counting the padding ``pack`` adds to fill its rows) stay under max_tokens; a group
+    computes at most its rows x row length, up to about twice that."""
     groups, cur, n = [], [], 0
     for i, s in enumerate(samples):
         L = len(s.prompt_ids) + len(s.completion_ids)

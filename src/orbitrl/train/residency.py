@@ -36,6 +36,7 @@ from safetensors import safe_open
 from orbitrl.errors import OrbitError
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.quant import leaf_tensors
 from orbitrl.model.weights import hf_to_ours, to_dtype, weight_files
 
 _LAYER_PREFIX = "model.layers."
@@ -57,16 +58,6 @@ class TierStats:
     timeline: list = field(default_factory=list)  # (event, layer, hot, warm, device_bytes)
 
 
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s data: itself, or a tensor subclass's components
-    (torchao's Int8Tensor: qdata [out, in] int8, scale and zero point [out, 1])."""
-    if type(t) is torch.Tensor or type(t) is nn.Parameter or \
-            not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [x for n in names for x in plain_tensors(getattr(t, n))]
-
-
 def _move(t: torch.Tensor, fn) -> torch.Tensor:
     """``fn`` applied to the plain tensors of ``t`` (through a subclass's flatten/unflatten,
     so the quantized reference's int8 data moves and pins as stored)."""
@@ -79,7 +70,7 @@ def _move(t: torch.Tensor, fn) -> torch.Tensor:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return sum(x.numel() * x.element_size() for x in plain_tensors(t))
+    return sum(x.numel() * x.element_size() for x in leaf_tensors(t))
 
 
 class _Layer:
@@ -231,7 +222,7 @@ class LayerResidency:
                 cur = torch.cuda.current_stream(self.device)
                 cur.wait_event(L.event)
                 for t in L.hot.values():
-                    for x in plain_tensors(t):
+                    for x in leaf_tensors(t):
                         x.record_stream(cur)
                 L.event = None
             self._set_params(L, L.hot)
