@@ -123,8 +123,6 @@ class RLTrainer:
         self.step_idx = 0  # optimizer steps taken = policy version
         self._fused_applied = self._fused_held = 0
         self._peak_flops: float | None = None
-        self.counters = dict(skipped_spike=0, skipped_nonfinite=0, anchor_refreshes=0,
-                             dropped_groups=0, reward_errors=0)
         self.overlap = None  # the producer thread (rollout.overlap), started at the first step
         self._resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._data_trained = None  # overlapped: (data_pos, order) as of the trained steps
