@@ -34,6 +34,12 @@ class ModelSection:
     base_dtype: Literal["fp32", "bf16", "int8", "nf4"] = "nf4"  # frozen base storage
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype (fp32 on CPUs)
     device: str = "auto"  # auto, cpu, cuda or cuda:N
+    # keep the frozen base's projections dequantized (compute dtype) when they fit in this
+    # many MB: no dequantization per call for small models (0: always per call)
+    dequant_cache_mb: int = 256
+
+    def __post_init__(self):
+        _require(self, "model", ("dequant_cache_mb",), lambda v: v >= 0, ">= 0")
 
 
 @dataclass

@@ -222,3 +222,55 @@ def test_formulas_are_pure_arithmetic():
     assert formats.linear_bytes("nf4", 4096, 4096) == 4096 * 4096 // 2 + 4096 * 64 + 4 * 1024 + 68
     with pytest.raises(ValueError):
         formats.bytes_per_param("fp4")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4", "int4"])
+def test_dequantized_cache_same_results_one_dequantization(fmt, monkeypatch):
+    """Within budget: forward and backward give bit-equal results with one dequantization
+    in all; a replaced stored weight is dequantized again; over budget nothing is kept."""
+    w, b = _w()
+    model = nn.Sequential(FrozenLinear(w, b, fmt), FrozenLinear(w[:, :64].T.contiguous(), None, fmt))
+    x = torch.randn(4, 64, requires_grad=True)
+    y0 = model(x)
+    y0.pow(2).sum().backward()
+    g0, x.grad = x.grad.clone(), None
+    size = sum(m.out_features * m.in_features for m in model) * 4
+    assert quant.cache_dequantized(model, size - 1) == 0  # over budget: per call
+    assert quant.cache_dequantized(model, size) == size
+    calls = []
+    real = FrozenLinear.dequantize
+    monkeypatch.setattr(FrozenLinear, "dequantize",
+                        lambda self, dtype=torch.float32: calls.append(self) or real(self, dtype))
+    for _ in range(3):
+        y = model(x)
+        y.pow(2).sum().backward()
+        assert torch.equal(y, y0) and torch.equal(x.grad, g0)
+        x.grad = None
+    with torch.no_grad():
+        assert torch.equal(model(x), y0)
+    assert len(calls) == 2  # once per layer, forward and backward included
+    first = model[0]
+    key = "qweight" if fmt == "int4" else "weight"
+    setattr(first, key, getattr(FrozenLinear(w, b, fmt), key))  # a replaced stored weight
+    model(x)
+    assert len(calls) == 3
+    quant.cache_dequantized(model, 0)
+    model(x)
+    assert len(calls) == 5 and first._cached is None
+
+
+def test_dequantized_cache_is_in_the_ledger(tmp_path):
+    """The run's predicted memory holds the kept copies when they fit the budget and the
+    per-call workspace otherwise."""
+    from orbitrl.config import load_config
+    from orbitrl.ledger.memory import projection_params, runtime_prediction
+    from orbitrl.ledger.models import from_config
+    from orbitrl.model.builtin import resolve_model_path
+    import json
+
+    hf = json.loads((resolve_model_path("builtin:tiny-arith") / "config.json").read_text())
+    on = runtime_prediction(load_config(None, ["model.device=cpu"]), hf, 8)["terms"]["rollout"]
+    off = runtime_prediction(load_config(None, ["model.device=cpu", "model.dequant_cache_mb=0"]),
+                             hf, 8)["terms"]["rollout"]
+    assert on["weights:dequant_cache"] == projection_params(from_config(hf)) * 4
+    assert "activations:dequant" in off and "weights:dequant_cache" not in off

@@ -62,3 +62,87 @@ def test_logprobs_match_scoring_each_sample_alone(model, row_tokens):
             C = len(x.completion_ids)
             torch.testing.assert_close(got[i, :C], alone[:C], atol=1e-5, rtol=1e-5)
             assert (got[i, C:] == 0).all()
+
+
+def _groups(n_groups=4, n=5, seed=1, vocab=90, P=(3, 10), C=(0, 9)):
+    """GRPO-shaped samples: n completions per prompt (an empty completion included)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*P))]
+        for _ in range(n):
+            c = rng.randint(*C)
+            out.append(Sample(g, list(prompt), [rng.randrange(2, vocab) for _ in range(c)],
+                              [-rng.random() for _ in range(c)], "length", ""))
+    return out
+
+
+def test_a_group_shares_one_prompt_copy_when_it_fits_the_row():
+    s = _groups()
+    P = {g: len(x.prompt_ids) for x in s for g in [x.group]}
+    shared = pack(s, "cpu", row_tokens=200)
+    assert shared.parent_ids is not None
+    assert shared.num_tokens == sum(P.values()) + sum(len(x.completion_ids) for x in s)
+    flat_ids, flat_pos = shared.input_ids.flatten(), shared.positions.flatten()
+    flat_sid, flat_par = shared.seq_ids.flatten(), shared.parent_ids.flatten()
+    for i, x in enumerate(s):
+        mine = (flat_sid == i).nonzero()[:, 0]
+        assert flat_ids[mine].tolist() == x.completion_ids
+        # positions continue from the prompt; the prompt copy is this completion's parent
+        assert flat_pos[mine].tolist() == list(range(P[x.group], P[x.group] + len(mine)))
+        parent = set(flat_par[mine].tolist())
+        if mine.numel():
+            (p,) = parent
+            assert flat_ids[flat_sid == p].tolist() == x.prompt_ids
+    # a row too narrow for a whole group: every sample gets its own prompt copy
+    alone = pack(s, "cpu", row_tokens=0)
+    assert alone.parent_ids is None
+    assert alone.num_tokens == sum(len(x.prompt_ids) + len(x.completion_ids) for x in s)
+    assert pack(s, "cpu", row_tokens=200, share_prompts=False).parent_ids is None
+
+
+@pytest.fixture(scope="module")
+def window_model(tmp_path_factory):
+    """A tiny Mistral-shaped model with a sliding window of 5 (shorter than the samples)."""
+    from hf_helpers import make_hf_model
+
+    d = tmp_path_factory.mktemp("mistral")
+    make_hf_model("mistral").save_pretrained(d)
+    return load_model(d).eval()
+
+
+@pytest.mark.parametrize("which", ["builtin", "window"])
+@pytest.mark.parametrize("row_tokens", [64, 200])
+def test_shared_prompt_logprobs_match_one_copy_per_sample(model, window_model, which,
+                                                          row_tokens):
+    m = model if which == "builtin" else window_model
+    s = _groups(vocab=90)
+    with torch.no_grad():
+        got = score(m, pack(s, "cpu", row_tokens=row_tokens))
+        ref = score(m, pack(s, "cpu", row_tokens=row_tokens, share_prompts=False))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert got.abs().sum() > 0
+
+
+def test_shared_prompt_gradients_match_one_copy_per_sample():
+    """The prompt copy's gradient is the sum of what each sample's own copy received."""
+    from orbitrl.model.lora import adapter_parameters, apply_lora
+
+    torch.manual_seed(0)
+    m = load_model(resolve_model_path("builtin:tiny-arith"), base_format="nf4")
+    apply_lora(m, rank=4)
+    params = adapter_parameters(m)
+    with torch.no_grad():  # B starts at zero: give the adapters a nonzero delta
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    s = _groups(vocab=90)
+    grads = []
+    for share in (True, False):
+        b = pack(s, "cpu", row_tokens=200, share_prompts=share)
+        (score(m, b) * b.mask).sum().backward()
+        grads.append([p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    for g1, g2 in zip(*grads):  # float sums in another order: relative to the whole tensor
+        assert float((g1 - g2).norm() / g2.norm()) < 1e-5
+    assert sum(float(g.abs().sum()) for g in grads[0]) > 0

@@ -400,9 +400,16 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
         terms["train"]["actor:update_workspace"] = int(
             update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in
-    # backward): the workspace of the largest projection is live on top of everything else
+    # backward): the workspace of the largest projection is live on top of everything else,
+    # unless all of them fit model.dequant_cache_mb in the compute dtype: then each is kept
+    # dequantized after its first use (model.quant.cache_dequantized), in every phase
     proj = largest_projection_params(shape)
-    if strat.kind == "adapter" and strat.base_dtype != compute:
+    kept = projection_params(shape) * PARAM_BYTES[compute]
+    if strat.kind == "adapter" and strat.base_dtype != compute \
+            and kept <= cfg.model.dequant_cache_mb << 20:
+        for ph in terms.values():
+            ph["weights:dequant_cache"] = int(kept)
+    elif strat.kind == "adapter" and strat.base_dtype != compute:
         for ph in terms.values():
             ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
     elif strat.kind != "adapter":  # the int8 reference scores with the same kernel

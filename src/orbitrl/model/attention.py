@@ -2,7 +2,9 @@
 
 Sequences may be packed into one row: ``seq_ids`` [B, T] names the sequence each token
 belongs to (-1 marks padding) and ``positions`` [B, T] its position inside that sequence.
-A token attends to earlier tokens of its own sequence only. The engine replaces this with
+A token attends to earlier tokens of its own sequence only, and, where ``parent_ids`` names
+another sequence for it, to that sequence's earlier tokens too: several completions laid
+after one copy of their shared prompt (a GRPO group) read that copy as their prefix. The engine replaces this with
 attention over its paged KV cache through the ``attn`` backend argument of the decoder.
 """
 
@@ -13,12 +15,16 @@ import torch.nn.functional as F
 
 
 def build_mask(seq_ids: torch.Tensor, positions: torch.Tensor,
-               window: int | None = None) -> torch.Tensor:
-    """Boolean mask [B, 1, T, T]; True = may attend."""
+               window: int | None = None, parent_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask [B, 1, T, T]; True = may attend. ``parent_ids`` [B, T]: the sequence
+    whose tokens (laid out earlier in the row) each token also sees as its prefix; a token's
+    own id means none. ``positions`` must then continue from the prefix."""
     T = seq_ids.shape[1]
     idx = torch.arange(T, device=seq_ids.device)
     causal = idx[None, :, None] >= idx[None, None, :]  # [1, T, T]
     same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, T, T]
+    if parent_ids is not None:
+        same |= (parent_ids[:, :, None] == seq_ids[:, None, :]) & (seq_ids >= 0)[:, None, :]
     mask = causal & same
     if window is not None:
         mask &= (positions[:, :, None] - positions[:, None, :]) < window

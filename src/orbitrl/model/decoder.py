@@ -107,12 +107,14 @@ class Backbone(nn.Module):
 class _Masks:
     """Builds the dense mask once per distinct sliding window within one forward."""
 
-    def __init__(self, seq_ids, positions):
-        self.seq_ids, self.positions, self.cache = seq_ids, positions, {}
+    def __init__(self, seq_ids, positions, parent_ids=None):
+        self.seq_ids, self.positions, self.parent_ids = seq_ids, positions, parent_ids
+        self.cache = {}
 
     def __call__(self, window):
         if window not in self.cache:
-            self.cache[window] = build_mask(self.seq_ids, self.positions, window)
+            self.cache[window] = build_mask(self.seq_ids, self.positions, window,
+                                            self.parent_ids)
         return self.cache[window]
 
 
@@ -142,7 +144,8 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_ids: torch.Tensor | None = None, attn: AttentionBackend | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False,
+                parent_ids: torch.Tensor | None = None) -> torch.Tensor:
         """
         Args:
             input_ids: [B, T] token ids.
@@ -150,6 +153,9 @@ class Decoder(nn.Module):
                 0..T-1 per row. Packed rows restart positions at each sequence start.
             seq_ids: [B, T] sequence index of each token within its row, -1 for padding;
                 default one sequence per row. Tokens attend within their sequence only.
+            parent_ids: [B, T] optional: the sequence each token also attends to as its
+                prefix (a shared prompt laid out once before its completions); see
+                ``model.attention.build_mask``.
             attn: optional attention backend (the engine's paged KV cache); when given,
                 ``positions`` must be given and ``seq_ids`` is ignored.
             return_hidden: return final hidden states [B, T, H] instead of logits.
@@ -161,7 +167,7 @@ class Decoder(nn.Module):
             seq_ids = torch.zeros_like(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        masks = _Masks(seq_ids, positions)
+        masks = _Masks(seq_ids, positions, parent_ids)
         offload = (self.offload_activations and x.device.type != "cpu"
                    and torch.is_grad_enabled())
         for layer in self.model.layers:

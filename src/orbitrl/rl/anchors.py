@@ -108,6 +108,7 @@ def _requantize(reference: Decoder, policy: Decoder):
                                 leaf_tensors(new._buffers[key]))
                     for dst, src in pairs:
                         dst.copy_(src)
+            mod._cached = None  # written in place: a kept dequantized copy is stale
     rparams = dict(reference.named_parameters())
     for name, p in policy.named_parameters():
         if name in rparams:

@@ -72,6 +72,10 @@ def build_policy(cfg: Config, device) -> Policy:
                    targets=cfg.lora.targets)
         trainable = adapter_parameters(model)
         reference = residency = ref_residency = None
+        from orbitrl.model.quant import cache_dequantized
+
+        cache_dequantized(model, cfg.model.dequant_cache_mb << 20,
+                          torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16)
     else:
         # base_dtype only names a frozen base's storage; the full-parameter policy trains
         # its own weights in model.dtype and the reference is always int8
