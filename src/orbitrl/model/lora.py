@@ -82,11 +82,18 @@ class LoRALinear(nn.Module):
         view = getattr(_VIEW, "tensors", None)
         if view is not None:  # this thread's frozen adapters: always on, no dropout
             a_w, b_w = view[id(self)]
-            return y + F.linear(F.linear(x, a_w.to(x.dtype)), b_w.to(x.dtype)) * self.scaling
+            return self._add_delta(y, F.linear(x, a_w.to(x.dtype)), b_w.to(x.dtype))
         if not self.enabled:
             return y
         a = F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype))  # [..., r]
-        return y + F.linear(a, self.lora_B.weight.to(x.dtype)) * self.scaling
+        return self._add_delta(y, a, self.lora_B.weight.to(x.dtype))
+
+    def _add_delta(self, y, a, b_w):
+        """y + scale * a @ B^T as one GEMM accumulating into y (addmm, beta 1): the sum and
+        the scaling ride in the GEMM's epilogue instead of two passes over [tokens, out]."""
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), b_w.t(),
+                          alpha=self.scaling)
+        return out.view(y.shape)
 
     def delta_weight(self, dtype=torch.float32) -> torch.Tensor:
         """scale * B @ A, [out, in]."""
