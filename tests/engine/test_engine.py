@@ -134,7 +134,7 @@ def test_filter_matches_transformers_warpers():
             ref = TopKLogitsWarper(k)(None, ref)
         if p < 1:
             ref = TopPLogitsWarper(p)(None, ref)
-        got = filter_logits(x, [k] * 3, [p] * 3)
+        got = filter_logits(x, torch.full((3,), k), torch.full((3,), p))
         assert torch.equal(torch.isinf(got), torch.isinf(ref))
 
 

@@ -58,7 +58,7 @@ class Engine:
         max_model_len: context length; default the model's max_position_embeddings.
         preempt: "recompute" or "swap" when blocks run out; default swap on CUDA, recompute
             on CPU (where host and device memory are the same).
-        seed: seeds the generator of requests that carry no seed of their own.
+        seed: seeds the generator that draws a seed for each request without one.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,
@@ -165,7 +165,9 @@ class Engine:
         if err is None:
             stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                       else self.eos_ids)
-            self.scheduler.add(Sequence(index, 0, ids, params, stop, self._arrival))
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(1 << 62, (), generator=self.rng))
+            self.scheduler.add(Sequence(index, 0, ids, params, stop, self._arrival, seed))
             self._arrival += 1
         return out
 
@@ -261,8 +263,8 @@ class Engine:
             rows += [r] * len(group)
         if rows != list(range(len(seqs))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        toks, lps, raws = sample(logits, [s.params for s in targets],
-                                 [s.generator for s in targets], self.rng)
+        toks, lps, raws = sample(logits, [s.params for s in targets], [s.key for s in targets],
+                                 [s.num_completion for s in targets])
         finished = []
         for seq, t, lp, raw in zip(targets, toks.tolist(), lps.tolist(), raws.tolist()):
             seq.token_ids.append(t)
