@@ -305,7 +305,7 @@ def run_small(d, a):
             print(f"| {name} | failed | | | |")
             continue
         tps = r["tokens"] / r["seconds"]
-        print(f"| {name} | {tps:.1f} | {ours['seconds'] / ours['tokens'] * tps:.2f}x | "
+        print(f"| {name} | {tps:.1f} | {ours['tokens'] / ours['seconds'] / tps:.2f}x | "
               f"{r['process_s']:.1f} | {r['process_s'] / ours['process_s']:.2f}x |")
 
 
