@@ -37,8 +37,15 @@ counted once, as the tied lm_head) divided by this machine's copy bandwidth (mea
 2 x bytes / time of a 256 MiB tensor copy) is the floor of a decode step's time; we report
 that floor / measured step time, at the workload's batch and at batch 1.
 
+Small-model row (``--small``): a 27M-parameter model with a small vocabulary (hidden 512,
+8 layers, vocab 8000) on a GRPO tail: 12 prompts x 8, a tenth of the samples at the cap
+(128), the rest at a quarter of it or less (uniform in 1..32), against transformers
+``generate`` and the continuous-batching manager. Besides the generation time it reports
+each system's whole process (spawn, imports, model load, warm-up, generation, exit).
+
     python benchmarks/bench_engine.py            # about 10 minutes on 2 cores
     python benchmarks/bench_engine.py --quick    # smaller, for a smoke test
+    python benchmarks/bench_engine.py --small    # the small-model row only
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import torch
 MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
              tie_word_embeddings=True)
+SMALL_MODEL = dict(MODEL, vocab_size=8000)
 
 
 def _rss() -> int:
@@ -251,13 +259,54 @@ def _child(fn, args, q):
 
 
 def in_process(fn, *args):
+    """Run ``fn(*args)`` in a fresh spawned process; its result gets ``process_s``, the
+    whole process's wall time (spawn, imports, load, warm-up, the run, exit)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    t0 = time.perf_counter()
     p = ctx.Process(target=_child, args=(fn, args, q))
     p.start()
     r = q.get()
     p.join()
+    r["process_s"] = time.perf_counter() - t0
     return r
+
+
+def tail_workload(num_prompts: int, n: int, cap: int, vocab: int, seed: int = 0):
+    """A GRPO tail: a tenth of the samples at ``cap``, the rest uniform in 1..cap/4."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(24, 48))]
+               for _ in range(num_prompts)]
+    flat = [rng.randint(1, cap // 4) for _ in range(num_prompts * n)]
+    for k in rng.sample(range(len(flat)), max(1, len(flat) // 10)):
+        flat[k] = cap
+    return prompts, [flat[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
+def run_small(d, a):
+    """The small-model row: generation and whole-process ratios against transformers."""
+    prompts, lengths = tail_workload(12, a.n, a.cap, SMALL_MODEL["vocab_size"])
+    flat = [x for r in lengths for x in r]
+    print(f"\nsmall model, vocab {SMALL_MODEL['vocab_size']}: 12 prompts x n={a.n}, cap "
+          f"{a.cap}, {flat.count(a.cap)} samples at the cap, the rest <= {a.cap // 4}; mean "
+          f"{statistics.mean(flat):.1f}, {sum(flat)} tokens", flush=True)
+    res = {}
+    for name, fn in [("orbitrl", run_orbitrl), ("transformers generate", run_hf_generate),
+                     ("transformers generate_batch", run_hf_batch)]:
+        res[name] = r = in_process(fn, d, prompts, lengths, a.cap)
+        if "error" in r:
+            print(f"{name}: FAILED {r['error']}")
+    ours = res["orbitrl"]
+    print("| system | tokens/s | orbitrl / it | whole process (s) | orbitrl / it, whole "
+          "process |")
+    print("|---|---|---|---|---|")
+    for name, r in res.items():
+        if "error" in r:
+            print(f"| {name} | failed | | | |")
+            continue
+        tps = r["tokens"] / r["seconds"]
+        print(f"| {name} | {tps:.1f} | {ours['tokens'] / ours['seconds'] / tps:.2f}x | "
+              f"{r['process_s']:.1f} | {r['process_s'] / ours['process_s']:.2f}x |")
 
 
 def copy_bandwidth() -> float:
@@ -361,6 +410,8 @@ def main():
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--cap", type=int, default=128)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--small", action="store_true",
+                    help="only the small-model row (vocab 8000, 12 prompts x 8, a tail)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
                          "continuous-batching manager's thread gets it). Default 1: on 2 "
@@ -375,6 +426,11 @@ def main():
 
     d = tempfile.mkdtemp(prefix="bench_engine_")
     torch.manual_seed(0)
+    if a.small:
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "qwen2", **SMALL_MODEL)).save_pretrained(d)
+        run_small(d, a)
+        return
     AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **MODEL)).save_pretrained(d)
     bw = copy_bandwidth()
     for k, p in enumerate(int(x) for x in a.prompts.split(",")):

@@ -62,3 +62,14 @@ def unconstrained_run(model, prompts, params):
 
     eng = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
     return eng.generate(prompts, params), eng.pool.peak_used, eng.block_bytes
+
+
+def hf_greedy(hf, prompt, n):
+    """transformers' greedy tokens and their logprobs for one prompt (EOS off)."""
+    ids = torch.tensor([prompt])
+    r = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True)
+    toks = r.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(r.logits, toks)]
+    return toks, lps

@@ -7,17 +7,7 @@ import torch
 import orbitrl
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.sampler import filter_logits
-from hf_helpers import GREEDY, random_prompts, unconstrained_run
-
-
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    r = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                    max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                    output_logits=True, return_dict_in_generate=True)
-    toks = r.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(r.logits, toks)]
-    return toks, lps
+from hf_helpers import GREEDY, hf_greedy as _hf_greedy, random_prompts, unconstrained_run
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama3"])
@@ -134,7 +124,7 @@ def test_filter_matches_transformers_warpers():
             ref = TopKLogitsWarper(k)(None, ref)
         if p < 1:
             ref = TopPLogitsWarper(p)(None, ref)
-        got = filter_logits(x, [k] * 3, [p] * 3)
+        got = filter_logits(x, torch.full((3,), k), torch.full((3,), p))
         assert torch.equal(torch.isinf(got), torch.isinf(ref))
 
 

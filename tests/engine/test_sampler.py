@@ -1,10 +1,11 @@
 """The sampler against references: the two-level inverse CDF against a float64 cumsum, the
-empirical distribution against softmax, logprobs against log_softmax."""
+empirical distribution against softmax, logprobs against log_softmax, the counter-based
+uniforms against a pure-Python splitmix64."""
 
 import pytest
 import torch
 
-from orbitrl.engine.sampler import _invert_cdf, sample
+from orbitrl.engine.sampler import _invert_cdf, _mix_int, _signed, row_key, sample, uniforms
 from orbitrl.engine.sequence import SamplingParams
 
 
@@ -30,12 +31,12 @@ def test_samples_follow_softmax_and_report_logprobs():
     logits = torch.randn(1, 300) * 2
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
               SamplingParams(temperature=1.0, top_k=20)]
-    gen = torch.Generator().manual_seed(0)
     n = 20000
     counts = torch.zeros(3, 300)
     x = logits.expand(3, -1).contiguous()
-    for _ in range(n):
-        tok, lp, raw = sample(x, params, [None] * 3, gen)
+    keys = [row_key(0, j) for j in range(3)]
+    for step in range(n):
+        tok, lp, raw = sample(x, params, keys, [step] * 3)
         counts[torch.arange(3), tok] += 1
     raw_ref = torch.log_softmax(logits[0], -1)
     want = [raw_ref.exp(), torch.softmax(logits[0] / 0.7, -1)]
@@ -57,12 +58,29 @@ def test_greedy_rows_and_seeded_rows_independent_of_batch():
     x = torch.randn(5, 700)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)] * 2 + [
         SamplingParams(temperature=1.3, top_p=0.9, seed=4)]
-    gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
-    tok, lp, raw = sample(x, params, gens, torch.Generator().manual_seed(0))
+    keys = [row_key(p.seed or 0, r) for r, p in enumerate(params)]
+    tok, lp, raw = sample(x, params, keys, [7] * 5)
     assert tok[0] == x[0].argmax() and tok[2] == x[2].argmax() and lp[0] == 0
-    for r in (1, 4):  # the same row alone, with a fresh generator of the same seed
-        alone, lp1, raw1 = sample(x[r:r + 1], [params[r]],
-                                  [torch.Generator().manual_seed(params[r].seed)])
+    for r in (1, 4):  # the same row alone, with the same key and counter
+        alone, lp1, raw1 = sample(x[r:r + 1], [params[r]], keys[r:r + 1], [7])
         assert alone[0] == tok[r] and torch.allclose(lp1[0], lp[r])
     assert torch.allclose(raw, torch.log_softmax(x, -1).gather(1, tok[:, None])[:, 0],
                           atol=1e-6)
+
+
+def test_uniforms_match_python_splitmix_and_are_uniform():
+    keys = [row_key(s, j) for s in (0, 1, 2 ** 40 + 3) for j in (0, 1, 7)]
+    ctr = [0, 1, 5, 2 ** 33, 12, 3, 99, 100, 101]
+    got = uniforms(torch.tensor(keys), torch.tensor(ctr))
+    gold = 0x9E3779B97F4A7C15
+    for g, k, c in zip(got.tolist(), keys, ctr):
+        h = _mix_int((k & (2 ** 64 - 1)) ^ ((c * gold) & (2 ** 64 - 1)))
+        assert g == (2 * (h >> 41) + 1) * 2.0 ** -24
+    assert _signed(2 ** 64 - 1) == -1
+    # a long stream of one key: mean and spread of a uniform, no repeats among neighbours
+    u = uniforms(torch.full((100_000,), row_key(3, 4)), torch.arange(100_000))
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert 0 < u.min() and u.max() < 1 and (u[1:] != u[:-1]).float().mean() > 0.999
+    # different samples of one seed are not the same stream
+    v = uniforms(torch.full((1000,), row_key(3, 5)), torch.arange(1000))
+    assert (u[:1000] != v).float().mean() > 0.99

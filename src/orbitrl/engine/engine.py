@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from orbitrl.engine.block_pool import BlockPool
+from orbitrl.engine.decode_runner import DecodeRunner
+from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.model_runner import ModelRunner
 from orbitrl.engine.paged_attention import KVCache
 from orbitrl.engine.sampler import sample
@@ -58,13 +61,18 @@ class Engine:
         max_model_len: context length; default the model's max_position_embeddings.
         preempt: "recompute" or "swap" when blocks run out; default swap on CUDA, recompute
             on CPU (where host and device memory are the same).
-        seed: seeds the generator of requests that carry no seed of their own.
+        seed: seeds the generator that draws a seed for each request without one.
+        static_decode: run pure decode steps through the static-buffer decode runner
+            (``decode_runner.py``: state on the device, CUDA graphs on CUDA); False sends
+            every step through the general path (the reference the tests compare with).
+        cuda_graphs: capture the decode runner's steps as CUDA graphs (default: on CUDA).
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,
                  kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 preempt: str | None = None, seed: int = 0):
+                 preempt: str | None = None, seed: int = 0, static_decode: bool = True,
+                 cuda_graphs: bool | None = None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         dtype, device = next(model.parameters()).dtype, model.device
@@ -93,6 +101,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
+        self.static_decode = static_decode
+        self.decode = DecodeState(max_num_seqs, -(-self.max_model_len // block_size),
+                                  block_size, self.max_model_len, device)
+        self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs)
         self.eos_ids = frozenset(_ids(cfg.eos_token_id)
                                  + _ids(getattr(tokenizer, "eos_token_id", None)))
         self.rng = torch.Generator().manual_seed(seed)
@@ -156,6 +168,8 @@ class Engine:
         if num_blocks != self.pool.num_blocks:
             self.pool.resize(num_blocks)
             self.cache.resize(num_blocks)
+            self.decode.reset()
+            self.decode_runner.invalidate()  # graphs point at the old cache tensors
         return num_blocks
 
     def add_request(self, index: int, req: Request, params: SamplingParams) -> RequestOutput:
@@ -165,7 +179,9 @@ class Engine:
         if err is None:
             stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                       else self.eos_ids)
-            self.scheduler.add(Sequence(index, 0, ids, params, stop, self._arrival))
+            seed = params.seed if params.seed is not None else int(
+                torch.randint(1 << 62, (), generator=self.rng))
+            self.scheduler.add(Sequence(index, 0, ids, params, stop, self._arrival, seed))
             self._arrival += 1
         return out
 
@@ -200,6 +216,8 @@ class Engine:
         outs = [self.add_request(i, r, r.params or p or SamplingParams())
                 for i, (r, p) in enumerate(zip(reqs, plist))]
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
+        self.decode.reset()
+        self.decode_runner.begin(_adapter_signature(self.model))
         total = sum(r.params.n if r.params else (p or SamplingParams()).n
                     for r, p, o in zip(reqs, plist, outs) if o.error is None)
         if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
@@ -211,6 +229,7 @@ class Engine:
                     self.memory_hook(self)
                 if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
                     dropped = self.scheduler.abort_all()
+                    self.decode.reset()
                     self.stats["aborted"] = self.stats.get("aborted", 0) + len(dropped)
                     self.stats["watchdog_events"] = self.stats.get("watchdog_events", 0) + 1
                     break
@@ -224,7 +243,14 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One forward over a scheduled batch; returns the sequences that finished."""
+        """One forward over a scheduled batch; returns the sequences that finished. Pure
+        decode steps go through the static decode runner; the rest (prefill, chunked
+        prefill, admission, swap-in, preemption) through the general path."""
+        if self._decode_ready():
+            done = self._decode_step()
+            if done is not None:
+                return done
+        self.decode.reset()
         batch = self.scheduler.schedule()
         if not batch.items:
             raise RuntimeError("engine: scheduler made no progress (pool too small?)")
@@ -261,8 +287,8 @@ class Engine:
             rows += [r] * len(group)
         if rows != list(range(len(seqs))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        toks, lps, raws = sample(logits, [s.params for s in targets],
-                                 [s.generator for s in targets], self.rng)
+        toks, lps, raws = sample(logits, [s.params for s in targets], [s.key for s in targets],
+                                 [s.num_completion for s in targets])
         finished = []
         for seq, t, lp, raw in zip(targets, toks.tolist(), lps.tolist(), raws.tolist()):
             seq.token_ids.append(t)
@@ -280,19 +306,79 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in seq.stop_ids:
-            return "stop"
-        if p.stop and self.tokenizer is not None:
-            width = max(len(s) for s in p.stop) + 4
-            tail = self.tokenizer.decode(seq.completion_ids[-width:])
-            if any(s in tail for s in p.stop):
-                return "stop"
-        if self.stop_fn is not None and self.stop_fn(seq.req_index, seq.sample,
-                                                     seq.completion_ids):
+        if tok in seq.stop_ids or self._host_stop(seq):
             return "stop"
         if seq.num_completion >= p.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
+
+    def _host_stop(self, seq: Sequence) -> bool:
+        """The stop conditions only the host can check: stop strings and ``stop_fn``."""
+        p = seq.params
+        if p.stop and self.tokenizer is not None:
+            width = max(len(s) for s in p.stop) + 4
+            tail = self.tokenizer.decode(seq.completion_ids[-width:])
+            if any(s in tail for s in p.stop):
+                return True
+        return self.stop_fn is not None and bool(self.stop_fn(seq.req_index, seq.sample,
+                                                              seq.completion_ids))
+
+    # ---- the decode fast path --------------------------------------------------------
+    def _decode_ready(self) -> bool:
+        """Whether this step is pure decode: every running sequence has all but its last
+        token computed, none waits to fork, nothing is swapped out, and no waiting request
+        could be admitted now (that step would prefill it)."""
+        sch, st = self.scheduler, self.decode
+        run = sch.running
+        if (not self.static_decode or not run or sch.swapped or len(run) > st.capacity
+                or len(run) > sch.max_tokens):
+            return False
+        if sch.waiting and len(run) + sch.waiting[0].width <= sch.max_num_seqs and \
+                -(-len(sch.waiting[0]) // self.pool.block_size) <= self.pool.num_free:
+            return False
+        if st.valid and st.n == len(run):
+            return True
+        return all(s.num_computed == len(s) - 1 and not s.pending_fork for s in run)
+
+    def _decode_step(self) -> list[Sequence] | None:
+        """One step of the static decode runner; None (nothing done) when the pool is
+        short of blocks (the general path then preempts)."""
+        st, t0 = self.decode, time.perf_counter()
+        copies = st.prepare(self.pool) if st.valid and st.n == len(self.scheduler.running) \
+            else st.register(list(self.scheduler.running), self.pool)
+        if copies is None:
+            return None
+        self.cache.copy_blocks(copies)
+        st.flush()
+        vals = self.decode_runner.run()
+        st.advance()
+        host = self.stop_fn is not None or (self.tokenizer is not None and st.stop_strings)
+        ended = []
+        for row, (seq, (t, lp, raw, why)) in enumerate(zip(st.seqs, vals)):
+            seq.token_ids.append(int(t))
+            seq.logprobs.append(lp)
+            seq.raw_logprobs.append(raw)
+            seq.num_computed += 1
+            if why or host:
+                reason = "stop" if why == 1 or (host and self._host_stop(seq)) else \
+                    "length" if why == 2 else None
+                if reason is not None:
+                    ended.append((row, seq, reason))
+        n, bs = st.n, self.pool.block_size
+        for row in np.flatnonzero(st.pos_h[:n] % bs == 0).tolist():  # blocks just filled
+            self.pool.commit(st.seqs[row])
+        for row, seq, reason in ended:
+            seq.finish_reason = reason
+            self._finalize_text(seq)
+            self.scheduler.finish(seq)
+            self._done.setdefault(seq.req_index, []).append(seq)
+        rows = [r for r, _, _ in ended]
+        finished = [seq for _, seq, _ in ended]
+        st.remove(rows)
+        self.stats["steps"] += 1
+        self.stats["generated_tokens"] += n
+        self.timeline.append((n, n, time.perf_counter() - t0))
+        return finished
 
     def _finalize_text(self, seq: Sequence) -> None:
         if self.tokenizer is None:
@@ -317,3 +403,12 @@ class Engine:
                  swaps=self.scheduler.num_swapped)
         s["tokens_per_s"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         return s
+
+
+def _adapter_signature(model) -> tuple:
+    """What a captured decode graph bakes in besides tensor addresses: each LoRA module's
+    switch and the thread's adapter view (``lora.adapter_view``)."""
+    from orbitrl.model.lora import _VIEW, lora_modules
+
+    view = getattr(_VIEW, "tensors", None)
+    return tuple(m.enabled for m in lora_modules(model).values()) + (id(view),)

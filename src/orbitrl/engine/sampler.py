@@ -1,34 +1,78 @@
-"""Greedy / temperature / top-k / top-p sampling with per-sequence generators.
+"""Greedy / temperature / top-k / top-p sampling over a batch, on the logits' device, with a
+counter-based random stream.
 
-Sampling inverts the CDF of the row's distribution at one uniform drawn from the sequence's
-own ``torch.Generator``: each row consumes exactly one draw per token from its own stream
-(unseeded rows share the engine's generator), so a seeded sequence gets the same tokens
-whatever else is in the batch, as long as its logits are the same (a batched matmul may
-round differently from a smaller one; a flip needs the uniform to fall within that rounding
-of a CDF step: rare, not impossible).
+Every row inverts the CDF of its distribution at one uniform ``u = hash(key, counter)``:
+``key`` is fixed per sequence from (seed, sample index) and ``counter`` is the index of the
+token being drawn within the completion. A uniform is a pure function of those integers,
+computed on the device for the whole batch (no generator state, no host round trip), so a
+seeded sequence draws the same uniforms whatever else is in the batch and whichever path
+(the static decode runner or a mixed prefill step) computes it, and the whole step can be
+captured in a CUDA graph. Tokens are the same as long as the logits are (a batched matmul
+may round differently from a smaller one; a flip needs the uniform to fall within that
+rounding of a CDF step: rare, not impossible).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from orbitrl.engine.sequence import SamplingParams
+if TYPE_CHECKING:
+    from orbitrl.engine.sequence import SamplingParams
+
+_M64 = (1 << 64) - 1
+_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's multipliers
+_GOLD = 0x9E3779B97F4A7C15
 
 
-def filter_logits(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """x: [B, V] temperature-scaled logits; tokens outside each row's top-k, then outside
-    its top-p nucleus, become -inf (the most likely token always stays)."""
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _mix_int(x: int) -> int:
+    """splitmix64's finaliser on a Python int (mod 2**64)."""
+    x &= _M64
+    x = ((x ^ (x >> 30)) * _C1) & _M64
+    x = ((x ^ (x >> 27)) * _C2) & _M64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, sample: int) -> int:
+    """The per-sequence stream key (a signed int64) of sample ``sample`` under ``seed``."""
+    return _signed(_mix_int(_mix_int(int(seed) + _GOLD) ^ (int(sample) * _GOLD)))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (products wrap; ``>>`` is arithmetic on
+    int64, so each shift is masked to act as the logical shift of the uint64 original)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _signed(_C1)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _signed(_C2)
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """keys, counters: [B] int64 -> [B] fp32 uniforms in (0, 1): ``(2k + 1) / 2**24`` for
+    the hash's top 23 bits ``k`` (exact in fp32, never 0 or 1)."""
+    h = _mix(keys ^ (counters * _signed(_GOLD)))
+    return (((h >> 41) & ((1 << 23) - 1)) * 2 + 1).float() * 2.0 ** -24
+
+
+def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x: [B, V] temperature-scaled logits; top_k [B] long (0 = off), top_p [B] float
+    (1 = off). Tokens outside each row's top-k, then outside its top-p nucleus, become -inf
+    (the most likely token always stays)."""
     v = x.shape[-1]
     srt, order = x.sort(-1, descending=True)
     ranks = torch.arange(v, device=x.device)[None]
-    k = torch.tensor([kk if 0 < kk < v else v for kk in top_k], device=x.device)[:, None]
+    k = torch.where((top_k > 0) & (top_k < v), top_k, v)[:, None]
     remove = ranks >= k
     srt = srt.masked_fill(remove, float("-inf"))
-    p = torch.tensor(top_p, dtype=x.dtype, device=x.device)[:, None]
     probs = srt.softmax(-1)
-    remove |= (probs.cumsum(-1) - probs) >= p
+    remove |= (probs.cumsum(-1) - probs) >= top_p.to(x.dtype)[:, None]
     remove[:, 0] = False
-    return torch.full_like(x, float("-inf")).scatter(-1, order, srt.masked_fill(remove, float("-inf")))
+    return torch.full_like(x, float("-inf")).scatter(-1, order,
+                                                     srt.masked_fill(remove, float("-inf")))
 
 
 BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
@@ -56,62 +100,64 @@ def _invert_cdf(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return blk * BLOCK + off
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], default: torch.Generator | None = None):
-    """Draw one token per row.
+def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tensor,
+                u: torch.Tensor, top_k: torch.Tensor | None = None,
+                top_p: torch.Tensor | None = None):
+    """Draw one token per row with per-row parameters as tensors (no host work, no
+    data-dependent branches: the static decode runner captures it in its graphs).
 
     Args:
         logits: [B, V] fp32.
-        params, generators: per row; a None generator draws from ``default``.
+        inv_temp: [B] fp32, 1 / temperature (any finite value on greedy rows).
+        greedy: [B] bool, rows that take the argmax.
+        u: [B] fp32 uniforms in (0, 1) (:func:`uniforms`).
+        top_k, top_p: [B] filters, or None when no row filters (the filter sorts [B, V]).
     Returns:
         tokens [B] long, logprobs [B] under the sampling distribution (0 for greedy rows),
         raw logprobs [B] (temperature 1, unfiltered).
 
-    The raw distribution is never materialised as logprobs: one pass takes ``exp(x - max)``
-    and its row sums (the log-normaliser); rows that sample from it (temperature 1, no
-    filter: the RL default) invert its CDF directly; other rows build their filtered,
-    tempered distribution. A token's raw logprob is its logit minus the log-normaliser.
+    One pass takes ``exp((x - max) / T)`` and its row sums; the token inverts that
+    distribution's CDF at ``u`` (for T = 1 rows it is the raw distribution, the RL
+    default). A token's raw logprob is its logit minus the log-normaliser.
     """
-    logits = logits.float()
-    b = logits.shape[0]
-    dev = logits.device
     mx = logits.amax(-1, keepdim=True)
-    e = (logits - mx).exp_()
-    total = e.sum(-1)
-    lse = mx[:, 0] + total.log()
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    tokens = (logits.argmax(-1) if len(rows) < b
-              else torch.empty(b, dtype=torch.long, device=dev))
-    lp = torch.zeros(b, dtype=torch.float32, device=dev)
-    # rows whose sampling distribution is the raw one (temperature 1, no filter)
-    plain = [j for j, i in enumerate(rows) if params[i].temperature == 1
-             and not 0 < params[i].top_k < logits.shape[1] and params[i].top_p >= 1]
-    plain_sel = torch.tensor([rows[j] for j in plain], dtype=torch.long, device=dev)
-    if rows:
-        # inverse CDF: one uniform per row, from the row's own generator when it has one
-        u = torch.rand(len(rows), generator=default)
-        own = [j for j, i in enumerate(rows) if generators[i] is not None]
-        if own:  # one draw from each row's own stream, written into u in one op
-            u[own] = torch.cat([torch.rand(1, generator=generators[rows[j]]) for j in own])
-        u = u.to(dev)
-        if plain:
-            w = e if len(plain) == b else e[plain_sel]
-            tokens[plain_sel] = _invert_cdf(w, u[plain] * total[plain_sel])
-        taken = set(plain)
-        other = [j for j in range(len(rows)) if j not in taken]
-        if other:
-            sel = torch.tensor([rows[j] for j in other], device=dev)
-            temps = torch.tensor([params[rows[j]].temperature for j in other], device=dev)
-            ks = [params[rows[j]].top_k for j in other]
-            ps = [params[rows[j]].top_p for j in other]
-            x = logits[sel] / temps[:, None]
-            if any(k > 0 for k in ks) or any(p < 1 for p in ps):
-                x = filter_logits(x, ks, ps)
-            lps = torch.log_softmax(x, -1)
-            probs = lps.exp()
-            tok = _invert_cdf(probs, u[other] * probs.sum(-1))
-            tokens[sel] = tok
-            lp[sel] = lps.gather(1, tok[:, None])[:, 0]
+    shifted = logits - mx
+    lse = mx[:, 0] + shifted.exp().sum(-1).log()
+    x = shifted * inv_temp[:, None]
+    if top_k is not None:
+        x = filter_logits(x, top_k, top_p)
+    w = x.exp()
+    total = w.sum(-1)
+    drawn = _invert_cdf(w, u * total)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn)
     raw = logits.gather(1, tokens[:, None])[:, 0] - lse
-    lp[plain_sel] = raw[plain_sel]
-    return tokens, lp, raw
+    lp = x.gather(1, tokens[:, None])[:, 0] - total.log()
+    plain = inv_temp == 1.0  # rows drawn from the raw distribution: lp is raw exactly
+    if top_k is not None:
+        plain &= ((top_k <= 0) | (top_k >= logits.shape[1])) & (top_p >= 1.0)
+    lp = torch.where(plain, raw, lp)
+    return tokens, torch.where(greedy, 0.0, lp), raw
+
+
+def row_params(params: list[SamplingParams], device) -> dict:
+    """Per-row sampling tensors for :func:`sample_rows` from a list of SamplingParams
+    (the mixed-step path; the decode runner keeps these in its static buffers)."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps == 0
+    out = dict(inv_temp=torch.where(greedy, 1.0, 1.0 / temps.clamp_min(1e-30)).to(device),
+               greedy=greedy.to(device))
+    if any(0 < p.top_k or p.top_p < 1 for p in params):
+        out["top_k"] = torch.tensor([p.top_k for p in params], device=device)
+        out["top_p"] = torch.tensor([p.top_p for p in params], dtype=torch.float32,
+                                    device=device)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int],
+           counters: list[int]):
+    """Draw one token per row from per-row SamplingParams; row ``i`` uses the uniform of
+    (``keys[i]``, ``counters[i]``). Returns what :func:`sample_rows` returns."""
+    dev = logits.device
+    u = uniforms(torch.tensor(keys, dtype=torch.long, device=dev),
+                 torch.tensor(counters, dtype=torch.long, device=dev))
+    return sample_rows(logits.float(), u=u, **row_params(params, dev))

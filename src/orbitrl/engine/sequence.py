@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
+from orbitrl.engine.sampler import row_key
 
 
 @dataclass
@@ -23,8 +23,9 @@ class SamplingParams:
         temperature: 0 means greedy.
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus mass in (0, 1]; 1 disables.
-        seed: per-request seed; sample j draws from its own generator seeded from
-            (seed, j), so its tokens do not depend on the rest of the batch.
+        seed: per-request seed; sample j draws its uniforms from a counter-based stream
+            keyed by (seed, j), so its tokens do not depend on the rest of the batch
+            (without a seed the engine draws one per request from its own generator).
         stop: stop strings; the completion text is cut before the first one found.
         stop_token_ids: extra stop ids (the model's eos ids are added unless ignore_eos).
         ignore_eos: do not stop at the model's eos ids.
@@ -99,7 +100,7 @@ class Sequence:
     """
 
     def __init__(self, req_index: int, sample: int, prompt_ids: list[int],
-                 params: SamplingParams, stop_ids: frozenset, arrival: int):
+                 params: SamplingParams, stop_ids: frozenset, arrival: int, seed: int = 0):
         self.req_index, self.sample = req_index, sample
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
@@ -116,13 +117,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.swap: tuple | None = None  # host copy of KV while swapped out
-        self.generator = self._generator(params.seed, sample)
-
-    @staticmethod
-    def _generator(seed, sample):
-        if seed is None:
-            return None
-        return torch.Generator().manual_seed((int(seed) * 1_000_003 + sample) % (2 ** 63))
+        self.seed = seed  # the request's seed (or the one the engine drew for it)
+        self.key = row_key(seed, sample)  # random stream key (sampler.uniforms)
 
     def fork(self, sample: int) -> "Sequence":
         """A sibling with the same tokens and (shared) blocks; the caller bumps refcounts."""
@@ -131,7 +127,7 @@ class Sequence:
         s.sample, s.pending_fork = sample, 0
         s.token_ids, s.block_table = list(self.token_ids), list(self.block_table)
         s.logprobs, s.raw_logprobs = list(self.logprobs), list(self.raw_logprobs)
-        s.generator = self._generator(self.params.seed, sample)
+        s.key = row_key(self.seed, sample)
         return s
 
     def __len__(self):

@@ -1,0 +1,251 @@
+"""Rollout on one CUDA device: orbitrl's engine (static decode runner, CUDA graphs) against
+transformers' padded ``generate`` (timed on a repeat run, after a first run that warms it
+up) and its continuous-batching manager (the path behind ``generate_batch``), in one run.
+
+Model: Qwen2-0.5B-shaped (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+vocabulary 151936, tied head), random weights, bf16. Workload: 64 prompts of 32-256 random
+tokens x n = 8 samples, temperature 1, EOS ignored. Rows:
+- every sample 128 tokens; every sample 512 tokens;
+- long-tailed: each sample stops at a length drawn beforehand (exponential with mean
+  cap/6, one in 16 at the cap 128); orbitrl stops it through ``stop_fn``, ``generate``
+  through a per-row stopping criterion (finished rows stay in the padded batch, as in real
+  use), the continuous-batching manager through each request's own ``max_new_tokens``.
+Tokens/s counts the same useful tokens for every system.
+
+Per orbitrl decode step (the steps with every sequence decoding, at the widest batch):
+wall time, device time (CUDA events around the runner's step) and host time (the rest:
+scheduling, the one copy of the step's results, Python), and the roofline: the bytes a
+step must read (every weight once plus each row's KV) over the copy bandwidth measured
+here (2 x bytes / time of a 1 GiB device-to-device copy). Peak memory:
+``torch.cuda.max_memory_allocated`` during each system's run.
+
+    python benchmarks/bench_engine_gpu.py           # the three rows (several minutes)
+    python benchmarks/bench_engine_gpu.py --quick   # 8 prompts, caps 32: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+MODEL = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+             tie_word_embeddings=True)
+
+
+def workload(num_prompts: int, n: int, cap: int, tail: bool, seed: int = 0):
+    """Prompts (32-256 random tokens) and per-sample completion lengths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(MODEL["vocab_size"]) for _ in range(rng.randint(32, 256))]
+               for _ in range(num_prompts)]
+    if not tail:
+        return prompts, [[cap] * n for _ in prompts]
+    lengths = [[min(cap, 1 + int(rng.expovariate(1 / (cap / 6)))) for _ in range(n)]
+               for _ in prompts]
+    for k in rng.sample(range(num_prompts * n), max(1, num_prompts * n // 16)):
+        lengths[k // n][k % n] = cap
+    return prompts, lengths
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del x, y
+    return 2 * (1 << 30) / best
+
+
+class StepTimer:
+    """CUDA events around the decode runner's step: device milliseconds per step."""
+
+    def __init__(self, runner):
+        self.device_ms: list[float] = []
+        self._run, self._pending = runner.run, []
+        runner.run = self
+
+    def __call__(self):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = self._run()  # ends with the device-to-host copy, so b has completed
+        b.record()
+        b.synchronize()
+        self.device_ms.append(a.elapsed_time(b))
+        return out
+
+
+def run_orbitrl(path, prompts, lengths, cap):
+    import orbitrl
+    from orbitrl.engine import Engine, Request, SamplingParams
+
+    model = orbitrl.load_model(path, dtype="bf16", device="cuda")
+    n = len(lengths[0])
+    reqs = [Request(prompt_ids=p, params=SamplingParams(n=n, max_tokens=cap, seed=i,
+                                                        ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    stop = lambda i, j, c: len(c) >= lengths[i][j]  # noqa: E731
+    kw = dict(max_num_seqs=len(prompts) * n, max_num_batched_tokens=16384,
+              kv_budget_bytes=torch.cuda.mem_get_info()[0] // 3)
+    Engine(model, **kw).generate(reqs[:2], stop_fn=stop)  # warm-up (kernels, graphs)
+    eng = Engine(model, **kw)
+    timer = StepTimer(eng.decode_runner)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outs = eng.generate(reqs, stop_fn=stop)
+    dt = time.perf_counter() - t0
+    toks = sum(len(s.token_ids) for o in outs for s in o.samples)
+    dec = [(b, t) for b, k, t in eng.timeline if b == k]
+    widest = max(b for b, _ in dec)
+    wall = [t for b, t in dec if b == widest]
+    dev = timer.device_ms[-len(dec):]
+    dev_w = [d for (b, _), d in zip(dec, dev) if b == widest]
+    return dict(tokens=toks, seconds=dt, peak=torch.cuda.max_memory_allocated(),
+                batch=widest, step_ms=statistics.median(wall) * 1e3,
+                device_ms=statistics.median(dev_w), steps=len(dec),
+                params=model.config.num_params)
+
+
+def run_hf_generate(path, prompts, lengths, cap):
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    n, width = len(lengths[0]), max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = (torch.arange(width, device="cuda")[None]
+            >= torch.tensor([width - len(p) for p in prompts], device="cuda")[:, None]).long()
+    target = torch.tensor([x for row in lengths for x in row], device="cuda")
+
+    class PerRow(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return (input_ids.shape[1] - width) >= target
+
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+              pad_token_id=0, num_return_sequences=n, max_new_tokens=cap,
+              stopping_criteria=StoppingCriteriaList([PerRow()]))
+    times = []
+    with torch.no_grad():
+        for _ in range(2):  # first run, then the repeat run that is reported
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, **kw)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    return dict(tokens=int(target.sum()), seconds=times[1], first=times[0],
+                peak=torch.cuda.max_memory_allocated())
+
+
+def run_hf_batch(path, prompts, lengths, cap):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                          max_new_tokens=cap, eos_token_id=-1, pad_token_id=0)
+    torch.cuda.reset_peak_memory_stats()
+    with model.continuous_batching_context_manager(generation_config=gc, block=True,
+                                                   timeout=5) as man:
+        t0 = time.perf_counter()
+        rids = [man.add_request(p, max_new_tokens=L) for p, row in zip(prompts, lengths)
+                for L in row]
+        done, toks = set(), 0
+        while len(done) < len(rids):
+            r = man.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(r.error)
+                done.add(r.request_id)
+                toks += len(r.generated_tokens)
+        dt = time.perf_counter() - t0
+    return dict(tokens=toks, seconds=dt, peak=torch.cuda.max_memory_allocated())
+
+
+def step_floor_ms(res, prompts, lengths, bw) -> float:
+    """Milliseconds a decode step at the widest batch must spend reading: every weight
+    once (bf16) plus each running row's KV (prompt + about half its completion)."""
+    c = MODEL
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * hd * 2
+    ctx = statistics.mean(len(prompts[i]) + L / 2 for i, row in enumerate(lengths)
+                          for L in row)
+    return (res["params"] * 2 + res["batch"] * ctx * per_token) / bw * 1e3
+
+
+def run_row(name, path, prompts, lengths, cap, bw):
+    flat = [x for row in lengths for x in row]
+    print(f"\n{name}: {len(prompts)} prompts x n={len(lengths[0])}, cap {cap}, mean length "
+          f"{statistics.mean(flat):.1f}, {sum(flat)} tokens", flush=True)
+    res = {}
+    for label, fn in [("orbitrl", run_orbitrl), ("transformers generate (repeat run)",
+                                                  run_hf_generate),
+                      ("transformers generate_batch", run_hf_batch)]:
+        try:
+            res[label] = fn(path, prompts, lengths, cap)
+        except Exception as e:  # report and go on with the other systems
+            res[label] = dict(error=f"{type(e).__name__}: {e}")
+        torch.cuda.empty_cache()
+    ours = res["orbitrl"]
+    print("| system | tokens/s | orbitrl / it | peak memory (GiB) |")
+    print("|---|---|---|---|")
+    for label, r in res.items():
+        if "error" in r:
+            print(f"| {label} | failed: {r['error'][:80]} | | |")
+            continue
+        tps = r["tokens"] / r["seconds"]
+        ratio = (ours["tokens"] / ours["seconds"]) / tps if "error" not in ours else float("nan")
+        print(f"| {label} | {tps:,.0f} | {ratio:.2f}x | {r['peak'] / 2**30:.2f} |")
+        if "first" in r:
+            print(f"|   (its first run) | {r['tokens'] / r['first']:,.0f} | | |")
+    if "error" not in ours:
+        floor = step_floor_ms(ours, prompts, lengths, bw)
+        print(f"orbitrl decode at batch {ours['batch']}: {ours['step_ms']:.2f} ms/step wall, "
+              f"{ours['device_ms']:.2f} ms device, {ours['step_ms'] - ours['device_ms']:.2f} "
+              f"ms host; read floor {floor:.2f} ms = {floor / ours['step_ms']:.0%} of the "
+              f"roofline ({ours['batch'] / ours['step_ms'] * 1e3:,.0f} tokens/s)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 prompts, caps 32: a smoke run")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_engine_gpu: no CUDA device here; this benchmark needs one (nothing run)")
+        return 0
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="bench_engine_gpu_")
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **MODEL),
+                                              dtype=torch.bfloat16)
+    hf.save_pretrained(path)
+    del hf
+    torch.cuda.empty_cache()
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}; copy "
+          f"bandwidth {bw / 1e12:.2f} TB/s")
+    p = 8 if a.quick else a.prompts
+    rows = [("every sample 32 tokens", 32, False), ("long-tailed caps", 32, True)] if a.quick \
+        else [("every sample 128 tokens", 128, False), ("every sample 512 tokens", 512, False),
+              ("long-tailed caps", 128, True)]
+    for name, cap, tail in rows:
+        prompts, lengths = workload(p, a.n, cap, tail)
+        run_row(name, path, prompts, lengths, cap, bw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

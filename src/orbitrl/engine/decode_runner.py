@@ -1,0 +1,219 @@
+"""One decode step of every running sequence over static buffers, padded to a bucket.
+
+The step (every layer through the model's own modules, the head, sampling, stop checks and
+the state's advance) reads and writes only the :class:`DecodeState` buffers, the KV cache
+and one static output buffer, so it has fixed shapes per batch-size bucket:
+
+- on CUDA each (bucket, filtered) pair is captured once as a CUDA graph and replayed; the
+  first use of a bucket runs the step eagerly on a side stream (that run is the real step,
+  and warms up the allocator and the libraries) and then records the graph, which executes
+  nothing, so no state is disturbed. Weights changed in place between steps (an optimizer
+  step, a LoRA update, same addresses) are read by the next replay; graphs are dropped when
+  the KV cache is reallocated (pool resize), when a state buffer grows, and when the model's
+  adapter switches change (:meth:`DecodeRunner.begin`).
+- on CPU the same step runs eagerly with the same padding and bookkeeping, and the KV is
+  gathered only up to the longest row's blocks (shapes need not be static there).
+
+Attention goes through one function, :func:`decode_attention`, with the signature of the
+Triton kernel ``orbitrl.engine.attention_kernels.paged_decode``; the plain-PyTorch
+:class:`ReferencePagedDecode` (gather + mask + SDPA) stands in for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from orbitrl.engine.decode_state import DecodeState
+from orbitrl.engine.paged_attention import FP8, KVCache
+from orbitrl.engine.sampler import sample_rows, uniforms
+
+GPU_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 16))
+CPU_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 33, 4)) + tuple(range(40, 513, 8))
+
+
+class ReferencePagedDecode:
+    """``paged_decode`` in plain PyTorch: each row gathers its ``MB * block_size`` slots
+    with ``index_select``, masks past its context length (and outside its window) and runs
+    SDPA, the ``G`` query heads of a kv head acting as ``G`` queries of it.
+
+    Args (of ``__call__``): q [B, Hq, D]; k_cache, v_cache: one layer's slot-major cache
+    [num_slots, Hkv, D] (uint8 bits of e4m3 when ``k_scale``/``v_scale`` [num_slots, Hkv, 1]
+    are given); block_tables int32 [B, MB]; context_lens int32 [B] (0 for padding rows).
+    Returns [B, Hq, D], zeros on padding rows.
+
+    The gather index and the masks depend only on the block tables and context lengths, so
+    an instance builds them once for the tensors (and versions) it last saw: every layer of
+    one step shares them.
+    """
+
+    def __init__(self):
+        self._key, self._idx, self._masks = None, None, {}
+
+    def _meta(self, block_tables, context_lens, block_size, window):
+        key = (block_tables.data_ptr(), block_tables.shape, block_tables._version,
+               context_lens.data_ptr(), context_lens._version)
+        if key != self._key:
+            ar = torch.arange(block_size, device=block_tables.device)
+            self._idx = (block_tables.long()[:, :, None] * block_size + ar).reshape(-1)
+            self._key, self._masks = key, {}
+        if window not in self._masks:
+            c = block_tables.shape[1] * block_size
+            kpos = torch.arange(c, device=block_tables.device)[None]
+            ctx = context_lens.long()[:, None]
+            m = kpos < ctx
+            if window is not None:
+                m &= kpos >= ctx - window
+            self._masks[window] = (m | (ctx == 0))[:, None, None, :]  # no empty softmax row
+        return self._idx, self._masks[window]
+
+    def __call__(self, q, k_cache, v_cache, block_tables, context_lens, *, block_size: int,
+                 scale: float, window: int | None = None, k_scale=None, v_scale=None):
+        b, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        idx, mask = self._meta(block_tables, context_lens, block_size, window)
+        k, v = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
+        if k_scale is not None:
+            k = (k.view(FP8).float() * k_scale.index_select(0, idx)).to(q.dtype)
+            v = (v.view(FP8).float() * v_scale.index_select(0, idx)).to(q.dtype)
+        k = k.view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
+        v = v.view(b, -1, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,
+                                           attn_mask=mask, scale=scale)
+        return o.reshape(b, hq, d) * (context_lens > 0).to(q.dtype)[:, None, None]
+
+
+def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, context_lens,
+                     window, scale):
+    """The one call site of paged decode attention: ``attend`` has the signature of
+    ``orbitrl.engine.attention_kernels.paged_decode``."""
+    ks, vs = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
+    return attend(q, cache.k[layer], cache.v[layer], block_tables, context_lens,
+                  block_size=cache.block_size, scale=scale, window=window, k_scale=ks,
+                  v_scale=vs)
+
+
+class _StepAttention:
+    """The decoder's attention backend inside a decode step: writes each row's new K/V
+    into its slot (padding rows write row 0's values into row 0's slot, the same bytes, so
+    real KV is never touched), then attends over the paged cache."""
+
+    def __init__(self, runner: "DecodeRunner", b: int, nb: int):
+        st = runner.state
+        self.runner, self.cache = runner, runner.cache
+        self.bt, self.ctx = st.block_tables[:b, :nb], st.context_lens[:b]
+        self.valid = (self.ctx > 0)[:, None, None]
+        pos, bs = st.positions[:b], runner.cache.block_size
+        slots = st.block_tables[:b].gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        self.slots = torch.where(self.valid[:, 0, 0], slots, slots[:1])
+
+    def __call__(self, layer, q, k, v):
+        # q: [b, 1, Hq, D]; k, v: [b, 1, Hkv, D] -> [b, 1, Hq, D]
+        k = torch.where(self.valid, k[:, 0], k[:1, 0])
+        v = torch.where(self.valid, v[:, 0], v[:1, 0])
+        self.cache.write(layer, self.slots, k, v)
+        r = self.runner
+        o = decode_attention(r.attend, q[:, 0], self.cache, layer, self.bt, self.ctx,
+                             r.windows[layer], r.scale)
+        return o[:, None]
+
+
+class DecodeRunner:
+    """Runs decode steps of the rows of ``state`` (see the module docstring).
+
+    Args:
+        model: the decoder (its modules are called as they are at each step).
+        cache: the engine's KV cache.
+        state: the static row buffers.
+        buckets: batch sizes to pad to; default GPU_BUCKETS on CUDA, CPU_BUCKETS (finer:
+            padding rows cost real matmul rows there) elsewhere.
+        graphs: capture CUDA graphs (default: on CUDA).
+        attend: paged decode attention with ``paged_decode``'s signature (default
+            :class:`ReferencePagedDecode`).
+    """
+
+    def __init__(self, model, cache: KVCache, state: DecodeState, buckets=None,
+                 graphs: bool | None = None, attend=None):
+        self.model, self.cache, self.state = model, cache, state
+        cuda = state.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        self.buckets = [b for b in (buckets or (GPU_BUCKETS if cuda else CPU_BUCKETS))
+                        if b < state.capacity] + [state.capacity]
+        cfg = model.config
+        self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
+        self.attend = attend or ReferencePagedDecode()
+        self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
+        self._graphs: dict = {}
+        self._sig = None
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def begin(self, signature) -> None:
+        """Called once per ``generate``: drops captured graphs if the model's adapter
+        switches (``signature``) changed since they were recorded."""
+        if signature != self._sig:
+            self._graphs, self._sig = {}, signature
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (the KV cache or a state buffer was reallocated)."""
+        self._graphs = {}
+
+    @torch.no_grad()
+    def _step(self, b: int, nb: int, filtered: bool) -> None:
+        """The graph body: forward, sample, stop checks, advance; writes ``out[:b]`` as
+        (token, logprob, raw logprob, reason: 0 running, 1 stop id, 2 length)."""
+        st = self.state
+        attn = _StepAttention(self, b, nb)
+        if isinstance(self.attend, ReferencePagedDecode):
+            self.attend = ReferencePagedDecode()  # fresh memo for this step
+        hidden = self.model(st.tokens[:b, None], positions=st.positions[:b, None], attn=attn,
+                            return_hidden=True)[:, 0]
+        logits = self.model.lm_head(hidden).float()
+        u = uniforms(st.keys[:b], st.counters[:b])
+        filt = (st.top_k[:b], st.top_p[:b]) if filtered else (None, None)
+        tok, lp, raw = sample_rows(logits, st.inv_temp[:b], st.greedy[:b], u, *filt)
+        stop = (st.stop_ids[:b] == tok[:, None]).any(-1)
+        length = st.counters[:b] + 1 >= st.limits[:b]
+        reason = torch.where(stop, 1, torch.where(length, 2, 0))
+        self.out[:b].copy_(torch.stack([tok.double(), lp.double(), raw.double(),
+                                        reason.double()], -1))
+        valid = st.context_lens[:b] > 0
+        st.tokens[:b].copy_(tok)
+        st.positions[:b] += valid
+        st.counters[:b] += valid
+        st.context_lens[:b] += valid.int()
+
+    def run(self) -> list[list[float]]:
+        """One decode step of the ``state.n`` rows. Returns per row [token, logprob, raw
+        logprob, reason] (one device-to-host copy)."""
+        st = self.state
+        n = st.n
+        b, filtered = self.bucket(n), st.filtered > 0
+        if st.grown:
+            self.invalidate()
+            st.grown = False
+        if not self.graphs:
+            nb = int(st.nblk_h[:n].max())  # eager: gather only up to the longest row
+            self._step(b, nb, filtered)
+        else:
+            self._replay(b, filtered)
+        return self.out[:n].tolist()
+
+    def _replay(self, b: int, filtered: bool) -> None:
+        key = (b, filtered, self.cache.k.data_ptr())
+        g = self._graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        mb = self.state.max_blocks
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the real step, eager; warms up allocator and libs
+            self._step(b, mb, filtered)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        pool = next(iter(self._graphs.values())).pool() if self._graphs else None
+        with torch.cuda.graph(g, pool=pool):  # records only: state is not advanced
+            self._step(b, mb, filtered)
+        self._graphs[key] = g
