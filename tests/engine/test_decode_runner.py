@@ -23,7 +23,7 @@ def test_static_greedy_matches_general_path_and_transformers(hf_dirs, family):
     want = [_hf_greedy(hf, p, 14) for p in prompts]
     params = SamplingParams(max_tokens=14, **GREEDY)
     for bs in (4, 16):
-        fast = Engine(model, kv_budget_bytes=1 << 20, block_size=bs)
+        fast = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=bs)
         slow = Engine(model, kv_budget_bytes=1 << 20, block_size=bs, static_decode=False)
         a, b = fast.generate(prompts, params), slow.generate(prompts, params)
         assert sum(n == k for n, k, _ in fast.timeline) >= 13  # pure decode steps ran
@@ -36,9 +36,9 @@ def test_padding_rows_never_change_real_rows(hf_dirs):
     model = orbitrl.load_model(hf_dirs["llama"][0])
     prompts = random_prompts([5, 11, 7])
     params = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
-    exact = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    exact = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=4)
     exact.decode_runner.buckets = list(range(1, exact.decode.capacity + 1))  # no padding
-    padded = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    padded = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=4)
     padded.decode_runner.buckets = [16, padded.decode.capacity]  # 6 rows padded to 16
     a, b = exact.generate(prompts, params), padded.generate(prompts, params)
     assert _tokens(a) == _tokens(b)
@@ -54,7 +54,7 @@ def test_device_block_tables_follow_the_host(hf_dirs):
     """Step by step: every row's device block table, position and context length equal the
     host sequence's, while rows join (fork), cross blocks and leave (compaction)."""
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
-    eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=4)
     lengths = {0: [3, 9, 17], 1: [6, 2, 12]}
     reqs = [Request(prompt_ids=p, params=SamplingParams(n=3, max_tokens=20, seed=i,
                                                         ignore_eos=True))
@@ -87,8 +87,8 @@ def test_pool_resize_mid_run(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen3"][0])
     prompts = random_prompts([5, 14, 9, 20])
     params = SamplingParams(n=2, max_tokens=24, **GREEDY)
-    want = Engine(model, kv_budget_bytes=1 << 22, block_size=4).generate(prompts, params)
-    eng = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
+    want = Engine(model, static_decode=True, kv_budget_bytes=1 << 22, block_size=4).generate(prompts, params)
+    eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 22, block_size=4)
     full, sizes = eng.pool.num_blocks, []
 
     def hook(e):  # shrink hard after a few steps, grow back later
@@ -108,19 +108,19 @@ def test_seeds_reproducible_and_independent_of_the_batch(hf_dirs):
     model = orbitrl.load_model(hf_dirs["qwen2"][0])
     target = Request(prompt_ids=random_prompts([7])[0],
                      params=SamplingParams(n=3, max_tokens=15, seed=99, ignore_eos=True))
-    alone = Engine(model, kv_budget_bytes=1 << 20).generate([target])[0]
+    alone = Engine(model, static_decode=True, kv_budget_bytes=1 << 20).generate([target])[0]
     others = [Request(prompt_ids=p, params=SamplingParams(n=4, max_tokens=12,
                                                           temperature=0.8, top_p=0.9))
               for p in random_prompts([4, 30, 11], seed=5)]
-    eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=4)
     mixed = eng.generate(others[:2] + [target] + others[2:])
     assert _tokens([mixed[2]]) == _tokens([alone])
     assert len({tuple(s.token_ids) for s in alone.samples}) == 3
     # unseeded requests: the engine's seed makes the run reproducible
-    runs = [_tokens(Engine(model, kv_budget_bytes=1 << 20, seed=7).generate(others))
+    runs = [_tokens(Engine(model, static_decode=True, kv_budget_bytes=1 << 20, seed=7).generate(others))
             for _ in range(2)]
     assert runs[0] == runs[1]
-    assert runs[0] != _tokens(Engine(model, kv_budget_bytes=1 << 20, seed=8).generate(others))
+    assert runs[0] != _tokens(Engine(model, static_decode=True, kv_budget_bytes=1 << 20, seed=8).generate(others))
 
 
 def test_lora_on_nf4_static_equals_general_path(hf_dirs):
@@ -135,7 +135,7 @@ def test_lora_on_nf4_static_equals_general_path(hf_dirs):
                 p.normal_(0, 0.05)
     prompts = random_prompts([6, 13])
     params = SamplingParams(n=2, max_tokens=12, **GREEDY)
-    fast = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    fast = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, block_size=4)
     slow = Engine(model, kv_budget_bytes=1 << 20, block_size=4, static_decode=False)
     a = fast.generate(prompts, params)
     assert _tokens(a) == _tokens(slow.generate(prompts, params))
