@@ -97,6 +97,67 @@ def test_decode_engine_path_fp8():
     torch.testing.assert_close(out, eng, **TOL)
 
 
+def test_odd_shapes():
+    """Qwen2-0.5B's 7 query heads per kv head, a head dim and a block size that are not
+    powers of two: decode (plain, split, grouped) and prefill."""
+    bs, hkv, d, group = 3, 2, 24, 7
+    bt, ctx = _grpo_tables(bs, 3, [[4, 7], [2]], 40, seed=8)
+    cache = _pool(hkv, d, 40, bs, True, seed=8)
+    q = torch.randn(len(ctx), hkv * group, d, device=DEV)
+    groups = shared_prefix_groups(bt, ctx, bs, max_group=2)
+    for extra in ({}, {"num_splits": 2}, {"prefix_groups": groups}):
+        out, ref = _decode_both(cache, q, bt, ctx, bs, 5, **extra)
+        torch.testing.assert_close(out, ref, **TOL)
+    kw = _kw(cache, bs, None)
+    qp = torch.randn(int(ctx[1]) - 4, hkv * group, d, device=DEV)
+    out = paged_prefill(qp, cache.k[0], cache.v[0], bt[1], 4, backend="triton", **kw)
+    torch.testing.assert_close(out, paged_prefill_torch(qp, cache.k[0], cache.v[0], bt[1], 4, **kw),
+                               **TOL)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bf16(fp8):
+    """A bf16 model: the kernels against the fp32 reference over the same stored K/V (the
+    reference dequantizes fp8 to bf16 first, so it is compared in fp32 throughout)."""
+    bs, hkv, d, group = 4, 2, 16, 2
+    ctx = torch.tensor([21, 0, 6], dtype=torch.int32, device=DEV)
+    cache = _pool(hkv, d, 16, bs, fp8, dtype=torch.bfloat16, seed=9)
+    bt = _tables(ctx.tolist(), bs, 6, 16, seed=9)
+    q = torch.randn(3, hkv * group, d, device=DEV, dtype=torch.bfloat16)
+    kw = _kw(cache, bs, 9)
+    if fp8:
+        f8 = torch.float8_e4m3fn
+        k = cache.k[0].view(f8).float() * cache.k_scale[0]
+        v = cache.v[0].view(f8).float() * cache.v_scale[0]
+    else:
+        k, v = cache.k[0].float(), cache.v[0].float()
+    ref_kw = dict(block_size=bs, scale=0.3, window=9)
+    out = paged_decode(q, cache.k[0], cache.v[0], bt, ctx, backend="triton", **kw)
+    ref = paged_decode_torch(q.float(), k, v, bt, ctx, **ref_kw)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    out = paged_prefill(q, cache.k[0], cache.v[0], bt[0], 18, backend="triton", **kw)
+    ref = paged_prefill_torch(q.float(), k, v, bt[0], 18, **ref_kw)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_fp8_every_bit_pattern():
+    """K and V hold each of the 254 finite e4m3 bit patterns (subnormals included) once; the
+    kernel's in-register decode must match torch's float8 conversion."""
+    bs, d = 4, 16
+    bits = torch.arange(256, dtype=torch.uint8)
+    bits[bits & 0x7F == 0x7F] = 0  # the two NaN patterns
+    cache = KVCache(1, 1, d, 4, bs, torch.float32, DEV, fp8=True)
+    cache.k[0] = bits.view(16, 1, d).to(DEV)
+    cache.v[0] = bits.flip(0).view(16, 1, d).to(DEV)
+    cache.k_scale[0] = torch.rand(16, 1, 1, generator=torch.Generator().manual_seed(0)).to(DEV)
+    ctx = torch.tensor([16], dtype=torch.int32, device=DEV)
+    bt = torch.tensor([[3, 0, 2, 1]], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 2, d, device=DEV) * 0.01
+    out, ref = _decode_both(cache, q, bt, ctx, bs, None)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_splits_agree(window):
     bs, hkv, d = 4, 2, 16
@@ -290,7 +351,9 @@ def test_gpu_decode_faster_than_gather():
     kw = _kw(cache, 16)
 
     def timed(backend):
-        f = lambda: paged_decode(q, cache.k[0], cache.v[0], bt, ctx, backend=backend, **kw)  # noqa: E731
+        def f():
+            return paged_decode(q, cache.k[0], cache.v[0], bt, ctx, backend=backend, **kw)
+
         for _ in range(3):
             f()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

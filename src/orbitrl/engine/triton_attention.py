@@ -12,13 +12,18 @@ tensors these kernels need ``TRITON_INTERPRET=1`` set before this module is impo
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-from triton import knobs
+import os
 
 import torch
+import triton
+import triton.language as tl
 
-INTERPRETED = bool(knobs.runtime.interpret)
+try:
+    from triton import knobs
+
+    INTERPRETED = bool(knobs.runtime.interpret)
+except ImportError:  # Triton before 3.4 reads the variable directly
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 
 
@@ -35,8 +40,9 @@ def _fp8_to_f16(bits):
 def _attend(q, qpos, row_lo, K, V, KS, VS, bt_row, k_start, k_end, h, qk_scale,
             HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-            FP8: tl.constexpr):
-    """Online softmax of ``q`` [ROWS, BLOCK_D] over key positions [k_start, k_end).
+            FP8: tl.constexpr, DOT: tl.constexpr):
+    """Online softmax of ``q`` [ROWS, BLOCK_D] over key positions [k_start, k_end), with
+    the matmuls' operands in dtype DOT and fp32 accumulation.
 
     Row r may attend position p iff row_lo[r] <= p <= qpos[r] (causal and window). Returns
     (acc [ROWS, BLOCK_D] unnormalized, l [ROWS] softmax denominators, m [ROWS] running max
@@ -47,6 +53,7 @@ def _attend(q, qpos, row_lo, K, V, KS, VS, bt_row, k_start, k_end, h, qk_scale,
     m = tl.full([ROWS], -1e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    q = q.to(DOT)
     for kb in range(k_start, k_end, BLOCK_N):
         kpos = kb + tl.arange(0, BLOCK_N)
         kin = kpos < k_end
@@ -59,7 +66,7 @@ def _attend(q, qpos, row_lo, K, V, KS, VS, bt_row, k_start, k_end, h, qk_scale,
         if FP8:
             k = _fp8_to_f16(k)
             v = _fp8_to_f16(v)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [ROWS, BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision="ieee")  # [ROWS, BLOCK_N]
         if FP8:
             ks = tl.load(KS + slot * HKV + h, mask=kin, other=0.0)
             s = s * (ks * 256.0)[None, :]
@@ -72,7 +79,7 @@ def _attend(q, qpos, row_lo, K, V, KS, VS, bt_row, k_start, k_end, h, qk_scale,
         if FP8:
             vs = tl.load(VS + slot * HKV + h, mask=kin, other=0.0)
             p = p * (vs * 256.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision="ieee")
         m = m_new
     return acc, l, m
 
@@ -92,8 +99,8 @@ def _decode_kernel(Q, K, V, KS, VS, BT, CTX, BEGIN, OUT, LSE, qk_scale, window, 
                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
-                   NUM_SLOTS: tl.constexpr, FP8: tl.constexpr, HAS_BEGIN: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr):
+                   NUM_SLOTS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
+                   HAS_BEGIN: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr):
     """Program (row b, kv head h, split s): the G query heads of h over split s of row b's
     keys [lo, ctx). DIRECT writes OUT [B, HQ, D]; otherwise OUT is the partial buffer
     [B, HQ, NUM_SLOTS, D] (fp32) and LSE [B, HQ, NUM_SLOTS] at slot SPLIT_BASE + s."""
@@ -118,7 +125,7 @@ def _decode_kernel(Q, K, V, KS, VS, BT, CTX, BEGIN, OUT, LSE, qk_scale, window, 
                 mask=rmask[:, None] & (offs_d[None, :] < D), other=0)
     qpos = tl.zeros([BLOCK_H], tl.int32) + ctx - 1
     acc, l, m = _attend(q, qpos, qpos * 0 + lo, K, V, KS, VS, BT + b * max_blocks, k_start,
-                        k_end, h, qk_scale, HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_H, FP8)
+                        k_end, h, qk_scale, HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_H, FP8, DOT)
     omask = rmask[:, None] & (offs_d[None, :] < D)
     if DIRECT:
         out_ptrs = OUT + b * HQ * D + heads[:, None] * D + offs_d[None, :]
@@ -136,7 +143,7 @@ def _shared_prefix_kernel(Q, K, V, KS, VS, BT, CTX, OFFSETS, SHARED, PART, LSE, 
                           BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr,
                           MAX_GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, NUM_SLOTS: tl.constexpr, FP8: tl.constexpr,
-                          HAS_WINDOW: tl.constexpr):
+                          DOT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (group g, kv head h): every member's G query heads (MAX_GROUP * G_PAD rows)
     over the group's shared leading keys [0, SHARED[g]), read once through the first
     member's block table. Writes slot 0 of the partial buffers for each member row."""
@@ -163,7 +170,7 @@ def _shared_prefix_kernel(Q, K, V, KS, VS, BT, CTX, OFFSETS, SHARED, PART, LSE, 
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0)
         acc, l, m = _attend(q, qpos, row_lo, K, V, KS, VS, BT + first * max_blocks, k_start,
                             shared, h, qk_scale, HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, ROWS,
-                            FP8)
+                            FP8, DOT)
         row = (b * HQ + heads) * NUM_SLOTS
         omask = rmask[:, None] & (offs_d[None, :] < D)
         _finish(acc, l, m, PART + row[:, None] * D + offs_d[None, :], omask, LSE + row, rmask,
@@ -195,7 +202,7 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, OUT, qk_scale, window, start, T,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr):
+                    DOT: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (query tile i, kv head h): BLOCK_M query positions x the G query heads of h
     (rows = BLOCK_M * G_PAD) over the paged prefix and the chunk, causal."""
     i, h = tl.program_id(0), tl.program_id(1)
@@ -217,7 +224,7 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, OUT, qk_scale, window, start, T,
     q = tl.load(Q + t[:, None] * HQ * D + heads[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None] & (offs_d[None, :] < D), other=0)
     acc, l, m = _attend(q, qpos, row_lo, K, V, KS, VS, BT, k_start, k_end, h, qk_scale,
-                        HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, ROWS, FP8)
+                        HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, ROWS, FP8, DOT)
     out_ptrs = OUT + t[:, None] * HQ * D + heads[:, None] * D + offs_d[None, :]
     _finish(acc, l, m, out_ptrs, rmask[:, None] & (offs_d[None, :] < D), OUT, rmask, True)
 
@@ -242,6 +249,14 @@ def _check_device(q):
     if q.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError("the Triton backend on CPU tensors runs in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before orbitrl.engine.triton_attention is imported")
+
+
+def _dot_dtype(q):
+    """The matmuls' operand dtype: q's, except bf16 under the interpreter, whose tl.dot
+    multiplies bf16 bit patterns (it stores bf16 as uint16); fp32 there instead."""
+    if q.dtype == torch.bfloat16:
+        return tl.float32 if INTERPRETED else tl.bfloat16
+    return {torch.float16: tl.float16, torch.float32: tl.float32}[q.dtype]
 
 
 def _block_n(q) -> int:
@@ -276,7 +291,7 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale
     if num_splits is None:
         num_splits = auto_splits(B, HKV, bt.shape[1] * block_size, q.device)
     common = dict(HQ=HQ, HKV=HKV, D=D, BLOCK_SIZE=block_size, BLOCK_N=_block_n(q),
-                  BLOCK_D=_pow2(D), FP8=fp8, HAS_WINDOW=window is not None)
+                  BLOCK_D=_pow2(D), FP8=fp8, DOT=_dot_dtype(q), HAS_WINDOW=window is not None)
     qk_scale, win, nb = scale * LOG2E, int(window or 0), bt.shape[1]
     blk_h = max(16, _pow2(HQ // HKV))
     if groups is None and num_splits == 1:
@@ -331,5 +346,5 @@ def prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale, windo
         q.contiguous(), K, V, KS, VS, block_table.contiguous(), out, scale * LOG2E,
         int(window or 0), int(start), T, HQ=HQ, HKV=HKV, D=D, BLOCK_SIZE=block_size,
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=_block_n(q), BLOCK_D=_pow2(D), FP8=fp8,
-        HAS_WINDOW=window is not None)
+        DOT=_dot_dtype(q), HAS_WINDOW=window is not None)
     return out
