@@ -8,7 +8,7 @@ layer of a Qwen2-0.5B-shaped model (14 query heads, 2 kv heads, head dim 64) at 
 Method. One pool per KV dtype (bf16, fp8 e4m3 + fp32 scales), filled with random values,
 block size 16, each row's blocks scattered over the pool (a shuffled permutation). Rows:
 every sequence at one context length, a ragged batch (lengths uniform in 32 .. 768), and a
-GRPO-shaped batch (64 prompts x 8 samples, prompt 256 tokens shared by the samples, 0 .. 256
+GRPO-shaped batch (64 prompts x 8 samples, prompt 256 tokens shared by the samples, 1 .. 256
 own tokens each) also run with prefix groups, so each prompt's blocks are read once per
 group. Time per call: CUDA events over ``--iters`` back-to-back calls after warm-up. GB/s:
 the KV bytes the call must read at least (every attended token's K and V, plus the fp8
@@ -67,7 +67,7 @@ def _batches(batch: int, quick: bool):
     for c in fixed:
         yield f"all {c}", torch.full((batch,), c, dtype=torch.int32), 0
     yield "ragged 32-768", torch.randint(32, 769, (batch,), generator=g, dtype=torch.int32), 0
-    yield "grpo 256+0-256", 256 + torch.randint(0, 257, (batch,), generator=g,
+    yield "grpo 256+1-256", 256 + torch.randint(1, 257, (batch,), generator=g,
                                                 dtype=torch.int32), 256
 
 
