@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in under 8 minutes on one GPU: the tests marked `gpu`
 # (the default run and full mode through `orbitrl train`, the reference pulled to the device
-# from its int8 host copy, train.tiers with pinned host memory and a side stream), then the
-# benchmarks that run on CUDA, at sizes that fit the budget, printing their tables.
+# from its int8 host copy, train.tiers with pinned host memory and a side stream, the paged
+# attention kernels against their torch references), then the benchmarks that run on CUDA, at
+# sizes that fit the budget, printing their tables.
 #
 #     bash scripts/gpu_check.sh
 #
@@ -33,5 +34,8 @@ timeout 150 python benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
 
 echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 90 s)"
 timeout 90 python benchmarks/bench_engine_gpu.py --quick
+
+echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 120 s)"
+timeout 120 python benchmarks/bench_attention_kernels.py --quick
 
 echo "gpu_check: passed in $((SECONDS - start)) s"
