@@ -20,22 +20,22 @@ fi
 python -c "import torch; print('gpu_check: device', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
 
 start=$SECONDS
-echo "== tests marked gpu (limit 240 s)"
+echo "== tests marked gpu (limit 200 s)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-timeout 240 python -m pytest -q -m gpu -rs tests 2>&1 | tee "$log"
+timeout 200 python -m pytest -q -m gpu -rs tests 2>&1 | tee "$log"
 if grep -qE "[0-9]+ skipped" "$log"; then  # with a device present none may be skipped
     echo "gpu_check: FAILED: gpu tests were skipped on a machine with a CUDA device" >&2
     exit 1
 fi
 
-echo "== benchmarks/bench_tiers.py: tiers and the pulled reference on CUDA (limit 150 s)"
-timeout 150 python benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
+echo "== benchmarks/bench_tiers.py: tiers and the pulled reference on CUDA (limit 100 s)"
+timeout 100 python benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
 
 echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 90 s)"
 timeout 90 python benchmarks/bench_engine_gpu.py --quick
 
-echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 120 s)"
-timeout 120 python benchmarks/bench_attention_kernels.py --quick
+echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 60 s)"
+timeout 60 python benchmarks/bench_attention_kernels.py --quick
 
 echo "gpu_check: passed in $((SECONDS - start)) s"

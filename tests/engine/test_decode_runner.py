@@ -164,3 +164,9 @@ def test_reference_paged_decode_against_dense_attention():
             v = vc[idx].transpose(0, 1).repeat_interleave(hq // hkv, 0)
             ref = torch.softmax((q[r][:, None] @ k.transpose(1, 2))[:, 0] * 0.3, -1)
             assert torch.allclose(out[r], (ref[:, None] @ v)[:, 0], atol=1e-5)
+
+
+def test_cpu_runner_attends_with_the_reference():
+    from orbitrl.engine.decode_runner import default_attend
+
+    assert isinstance(default_attend(torch.device("cpu")), ReferencePagedDecode)

@@ -15,8 +15,9 @@ and one static output buffer, so it has fixed shapes per batch-size bucket:
   gathered only up to the longest row's blocks (shapes need not be static there).
 
 Attention goes through one function, :func:`decode_attention`, with the signature of the
-Triton kernel ``orbitrl.engine.attention_kernels.paged_decode``; the plain-PyTorch
-:class:`ReferencePagedDecode` (gather + mask + SDPA) stands in for it.
+Triton kernel ``orbitrl.engine.attention_kernels.paged_decode``, which reads the K/V blocks
+in place; it is the default on CUDA when Triton imports. Elsewhere the plain-PyTorch
+:class:`ReferencePagedDecode` (gather + mask + SDPA) takes its place.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, contex
                   v_scale=vs)
 
 
+def default_attend(device):
+    """The paged decode attention a runner on ``device`` uses by default."""
+    from orbitrl.engine.attention_kernels import paged_decode, triton_available
+
+    if device.type == "cuda" and triton_available():
+        return paged_decode
+    return ReferencePagedDecode()
+
+
 class _StepAttention:
     """The decoder's attention backend inside a decode step: writes each row's new K/V
     into its slot (padding rows write row 0's values into row 0's slot, the same bytes, so
@@ -128,8 +138,8 @@ class DecodeRunner:
         buckets: batch sizes to pad to; default GPU_BUCKETS on CUDA, CPU_BUCKETS (finer:
             padding rows cost real matmul rows there) elsewhere.
         graphs: capture CUDA graphs (default: on CUDA).
-        attend: paged decode attention with ``paged_decode``'s signature (default
-            :class:`ReferencePagedDecode`).
+        attend: paged decode attention with ``paged_decode``'s signature (default: the
+            Triton kernel on CUDA when Triton imports, else :class:`ReferencePagedDecode`).
     """
 
     def __init__(self, model, cache: KVCache, state: DecodeState, buckets=None,
@@ -141,7 +151,7 @@ class DecodeRunner:
                         if b < state.capacity] + [state.capacity]
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
-        self.attend = attend or ReferencePagedDecode()
+        self.attend = attend or default_attend(state.device)
         self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
         self._graphs: dict = {}
         self._sig = None
