@@ -470,7 +470,7 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
                           overlap: bool = False, copies: int = 2,
                           rollout_gathered: bool = False) -> dict:
     """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
-    layout (``orbitrl.dist.fsdp``), in place; returns ``terms``.
+    layout (``orbitrl.distributed.fsdp``), in place; returns ``terms``.
 
     - ``actor:weights``: every *parameter* is split over the ranks: the whole model in full
       mode; in adapter mode the adapters, embeddings and norms, and the frozen projections

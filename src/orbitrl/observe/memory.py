@@ -224,7 +224,7 @@ def _tensors(obj):
 
 def _storages(t: torch.Tensor):
     """(data_ptr, nbytes, storage) of the plain storages behind ``t`` (subclasses unpacked)."""
-    from orbitrl.dist.env import is_dtensor, local
+    from orbitrl.model.dtensor import is_dtensor, local
 
     inner = t.data if isinstance(t, torch.nn.Parameter) else t
     if is_dtensor(inner):  # its shard

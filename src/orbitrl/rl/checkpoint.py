@@ -167,7 +167,7 @@ class Checkpointer:
 
     def _save_sharded(self, tr, extra: dict):
         """All ranks write their shards at once, then rank 0 publishes the directory."""
-        from orbitrl.dist import checkpoint as dcp
+        from orbitrl.distributed import checkpoint as dcp
         from orbitrl.rl.checkpoint_sharded import capture_sharded
 
         d = self.dist

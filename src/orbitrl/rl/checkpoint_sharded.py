@@ -2,7 +2,7 @@
 reads when ranks hold shards.
 
 Tensors (trainable parameters, optimizer state, the adapter anchor) go through
-``orbitrl.dist.checkpoint`` keyed by parameter name; everything else goes to rank 0's
+``orbitrl.distributed.checkpoint`` keyed by parameter name; everything else goes to rank 0's
 ``meta.pt``. Restoring fills this run's layout, whatever world size wrote the checkpoint;
 a one-process ``state.pt`` restores into shards by keeping each rank's rows.
 """
@@ -18,7 +18,7 @@ from orbitrl.rl.checkpoint import _cpu, restore_scalars, scalar_state
 
 
 def _trainable_names(tr) -> list[str]:
-    from orbitrl.dist.fsdp import reshard
+    from orbitrl.distributed.fsdp import reshard
 
     reshard(tr.model)  # the registered parameters are the sharded ones
     ids = {id(p): n for n, p in tr.model.named_parameters(remove_duplicate=False)}
@@ -27,7 +27,7 @@ def _trainable_names(tr) -> list[str]:
 
 def _split(opt, key: str, p, shape=None) -> bool:
     """Whether optimizer state ``key`` of parameter ``p`` is held split by rows as ``p``."""
-    from orbitrl.dist.checkpoint import is_dtensor
+    from orbitrl.model.dtensor import is_dtensor
     from orbitrl.train.optim import is_fused
 
     if not is_dtensor(p):
@@ -39,7 +39,8 @@ def _split(opt, key: str, p, shape=None) -> bool:
 
 def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     """(tensors for DCP keyed by name, everything else for rank 0's ``meta.pt``)."""
-    from orbitrl.dist.checkpoint import dim0_shard, is_dtensor
+    from orbitrl.distributed.checkpoint import dim0_shard
+    from orbitrl.model.dtensor import is_dtensor
 
     names = _trainable_names(tr)
     tensors, scalars = {}, {}
@@ -71,8 +72,8 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
 
 def restore_whole_into_shards(tr, state: dict):
     """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
-    from orbitrl.dist.checkpoint import local_rows, shard_like
-    from orbitrl.dist.env import is_dtensor, local
+    from orbitrl.distributed.checkpoint import local_rows, shard_like
+    from orbitrl.model.dtensor import is_dtensor, local
 
     params = tr.policy.trainable
     with torch.no_grad():
@@ -100,7 +101,7 @@ def restore_whole_into_shards(tr, state: dict):
 
 def restore_sharded(tr, path: Path) -> dict:
     """A DCP checkpoint into this run's layout (one process, or any number of ranks)."""
-    from orbitrl.dist import checkpoint as dcp
+    from orbitrl.distributed import checkpoint as dcp
     from orbitrl.train.optim import is_fused
 
     try:
@@ -134,7 +135,7 @@ def restore_sharded(tr, path: Path) -> dict:
         for key, t in targets.items():
             if key.startswith(f"optim/{n}/") and key.count("/") == n.count("/") + 2:
                 k = key.rsplit("/", 1)[1]
-                st[k] = t.to_local() if fused and dcp.is_dtensor(t) else t
+                st[k] = t.to_local() if fused and is_dtensor(t) else t
         if st:
             tr.opt.state[p] = st
     for g, sg in zip(tr.opt.param_groups, meta["param_groups"]):

@@ -40,10 +40,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
                  dist=None) -> dict:
     """Train (or continue a run from its latest checkpoint) and write the summary.
 
-    ``dist``: this process's :class:`orbitrl.dist.env.Dist` under torchrun (every rank
+    ``dist``: this process's :class:`orbitrl.distributed.env.Dist` under torchrun (every rank
     runs this function; rank 0 alone writes metrics, summary and the final policy)."""
-    from orbitrl.dist.env import Dist
-    from orbitrl.dist.metrics import reduce_row
+    from orbitrl.distributed.env import Dist
+    from orbitrl.distributed.metrics import reduce_row
     from orbitrl.rewards import get_reward
     from orbitrl.rl.checkpoint import Checkpointer, resume_from
     from orbitrl.rl.trainer import RLTrainer, StepAbandoned
@@ -262,7 +262,7 @@ def save_policy(trainer, out: Path):
     Sharded: every rank joins the gather of the whole weights, rank 0 writes them."""
     dist = getattr(trainer, "dist", None)
     if dist is not None and dist.enabled:
-        from orbitrl.dist.fsdp import gathered
+        from orbitrl.distributed.fsdp import gathered
 
         with gathered(trainer.model):
             if dist.is_main:

@@ -13,9 +13,9 @@ import time
 import torch
 
 from orbitrl.config import Config
-from orbitrl.dist.batch import on_global_batch
-from orbitrl.dist.env import Dist
-from orbitrl.dist.fsdp import idle_backward, lockstep, rollout_weights, sum_grads
+from orbitrl.distributed.batch import on_global_batch
+from orbitrl.distributed.env import Dist
+from orbitrl.distributed.fsdp import idle_backward, lockstep, rollout_weights, sum_grads
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.engine.governor import KVGovernor, available_memory, hand_back
 from orbitrl.errors import OrbitError
@@ -87,7 +87,7 @@ class RLTrainer:
                              "weights are sharded and gathered layer by layer already)")
         self.policy = build_policy(cfg, self.device)
         if self.dist.enabled:
-            from orbitrl.dist.fsdp import shard_policy
+            from orbitrl.distributed.fsdp import shard_policy
 
             shard_policy(self.policy, self.dist, cfg)
         self.model, self.tok = self.policy.model, self.policy.tokenizer
@@ -421,7 +421,7 @@ class RLTrainer:
                 with lockstep(self.model, self.dist):
                     pass
                 if global_stats:
-                    from orbitrl.dist.batch import join_empty
+                    from orbitrl.distributed.batch import join_empty
 
                     join_empty(self.dist, 4 if self.critic is not None else 3, self.device)
             return None
