@@ -344,6 +344,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         fused = state_dict.pop("fused", None)
         super().load_state_dict(state_dict)
+        self.load_fused_state(fused)
+
+    def load_fused_state(self, fused: dict | None):
+        """The fused step's own counters and last norm (``state_dict()["fused"]``), for a
+        caller that restores the per-parameter state itself (a sharded checkpoint)."""
         if fused:
             self.stats = FusedStats(**fused["stats"])
             self._prev_norm = fused["prev_norm"]

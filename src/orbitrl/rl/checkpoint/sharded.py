@@ -1,5 +1,5 @@
-"""The run's state as a sharded checkpoint (torchrun): what ``rl/checkpoint.py`` writes and
-reads when ranks hold shards.
+"""The sharded format (torchrun): what the checkpoint package writes and reads when ranks
+hold shards.
 
 Tensors (trainable parameters, optimizer state, the adapter anchor) go through
 ``orbitrl.distributed.checkpoint`` keyed by parameter name; everything else goes to rank 0's
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from orbitrl.errors import OrbitError
-from orbitrl.rl.checkpoint import _cpu, restore_scalars, scalar_state
+from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
 
 
 def _trainable_names(tr) -> list[str]:
@@ -59,7 +59,7 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     osd = tr.opt.state_dict()
     anchors = tr.anchors.state_dict()
     meta = {
-        **_cpu(scalar_state(tr, extra)),
+        **to_cpu(scalar_state(tr, extra)),
         "format": "sharded", "world": tr.dist.world,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in osd["param_groups"]],
@@ -141,10 +141,7 @@ def restore_sharded(tr, path: Path) -> dict:
     for g, sg in zip(tr.opt.param_groups, meta["param_groups"]):
         g.update(sg)
     if meta["fused"] is not None:
-        from orbitrl.train.optim import FusedStats
-
-        tr.opt.stats = FusedStats(**meta["fused"]["stats"])
-        tr.opt._prev_norm = meta["fused"]["prev_norm"]
+        tr.opt.load_fused_state(meta["fused"])
     anchors = dict(meta["anchors"])
     anchors["snapshot"] = None if meta["anchor_count"] is None else \
         [targets[f"anchor/{i}"] for i in range(meta["anchor_count"])]
