@@ -7,7 +7,7 @@ layers that FSDP2 shards dominate the bill), the built-in tokenizer and arithmet
 a few steps. The same config runs as 1 process and as 2 ranks (gloo, one thread each).
 Each rank measures its phases' peaks with the runtime's own probe (``observe/memory.py``:
 resident high-water mark, re-based on the tensors the run holds) and the runtime's own
-prediction (``ledger.memory.runtime_prediction``, ``devices`` = the world size).
+prediction (``ledger.runtime.runtime_prediction``, ``devices`` = the world size).
 
 Printed: per phase, predicted and measured bytes for 1 process and for the busiest of the
 2 ranks, and the drop from 1 to 2 processes, predicted against measured.

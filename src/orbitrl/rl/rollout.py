@@ -122,16 +122,16 @@ class Rollouts:
 
 def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: int):
     """The engine and its KV plan: the pool from ``rollout.kv_budget_mb`` or, at 0, from the
-    memory training's predicted need leaves (``ledger.memory.kv_pool_for_run``; the plan's
+    memory training's predicted need leaves (``ledger.runtime.kv_pool_for_run``; the plan's
     ``cap`` bounds the governor's growth). Returns (engine, plan or None)."""
     from orbitrl.engine import Engine
     from orbitrl.engine.engine import kv_block_bytes
     from orbitrl.engine.governor import available_memory
-    from orbitrl.ledger.memory import kv_pool_for_run
+    from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
     from orbitrl.observe.memory import tensor_bytes
 
     r, c = cfg.rollout, model.config
-    kv_dtype = "fp8" if r.kv_dtype == "fp8" else None
+    kv_dtype = engine_kv_dtype(r.kv_dtype)
     plan, budget = None, int(r.kv_budget_mb * 2**20)
     if not budget:
         bb = kv_block_bytes(model, kv_dtype, r.block_size)
