@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.dtensor import is_dtensor, local
 from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
 
 
@@ -27,7 +28,6 @@ def _trainable_names(tr) -> list[str]:
 
 def _split(opt, key: str, p, shape=None) -> bool:
     """Whether optimizer state ``key`` of parameter ``p`` is held split by rows as ``p``."""
-    from orbitrl.model.dtensor import is_dtensor
     from orbitrl.train.optim import is_fused
 
     if not is_dtensor(p):
@@ -40,7 +40,6 @@ def _split(opt, key: str, p, shape=None) -> bool:
 def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     """(tensors for DCP keyed by name, everything else for rank 0's ``meta.pt``)."""
     from orbitrl.distributed.checkpoint import dim0_shard
-    from orbitrl.model.dtensor import is_dtensor
 
     names = _trainable_names(tr)
     tensors, scalars = {}, {}
@@ -73,7 +72,6 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
 def restore_whole_into_shards(tr, state: dict):
     """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
     from orbitrl.distributed.checkpoint import local_rows, shard_like
-    from orbitrl.model.dtensor import is_dtensor, local
 
     params = tr.policy.trainable
     with torch.no_grad():
