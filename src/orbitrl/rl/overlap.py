@@ -32,6 +32,23 @@ class Cancelled(Exception):
     """Raised inside the engine's step hook to stop a rollout when the run stops."""
 
 
+def producer(rollouts, judge, device):
+    """The producer thread's ``produce(j, version, cancel)``: step j's rollout (the step
+    number in its sampling seed, no mode flips: the adapter view is in place) judged by
+    the verifiers, timed on its own timer. Built from the components, not the trainer.
+
+    Args:
+        rollouts: the run's ``rl.rollout.Rollouts``; judge: ``Scorer.judge``;
+        device: where the timer measures.
+    """
+    from orbitrl.observe.metrics import PhaseTimer
+
+    def produce(j: int, version: int, cancel):
+        timer = PhaseTimer(device)
+        return judge(rollouts(j, version, cancel, Cancelled, timer, eval_mode=False), timer)
+    return produce
+
+
 class Overlap:
     """The producer thread and the versioned adapter snapshots it samples with.
 

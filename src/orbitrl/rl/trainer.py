@@ -22,7 +22,6 @@ from orbitrl.engine.governor import KVGovernor, hand_back
 from orbitrl.errors import OrbitError
 from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.observe.memory import MemoryProbe, run_prediction
-from orbitrl.observe.metrics import PhaseTimer
 from orbitrl.observe.step import StepFlops, phase_metrics, sample_metrics
 from orbitrl.rewards import RewardRunner
 from orbitrl.rl.anchors import Anchors
@@ -175,23 +174,15 @@ class RLTrainer:
                                timer, eval_mode=True)
             return self.scorer.judge(ro, timer), None, t_step
         if self.overlap is None:
-            from orbitrl.rl.overlap import Overlap
+            from orbitrl.rl.overlap import Overlap, producer
 
-            self.overlap = Overlap(self._produce, self.model, self.cfg.train.max_steps,
+            produce = producer(self.rollouts, self.scorer.judge, self.device)
+            self.overlap = Overlap(produce, self.model, self.cfg.train.max_steps,
                                    self.cfg.rollout.queue_size, self.iteration, self.step_idx,
                                    self.resume_snapshots)
         ro, waited = self.overlap.get(self.iteration)
         self.data.trained(ro.data_after)
         return ro, waited, self._last_step_end or t_step
-
-    def _produce(self, j: int, version: int, cancel) -> Rollout:
-        """The producer thread's rollout of step j (overlap.py): its own timer, the step
-        number in the seed, the adapter view in place of mode flips."""
-        from orbitrl.rl.overlap import Cancelled
-
-        timer = PhaseTimer(self.device)
-        return self.scorer.judge(self.rollouts(j, version, cancel, Cancelled, timer,
-                                               eval_mode=False), timer)
 
     def update(self, sc: StepScore, timer) -> Update:
         """Train on the scored batch; then the policy version, anchors and KL coefficient."""
