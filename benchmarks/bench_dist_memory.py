@@ -7,7 +7,7 @@ layers that FSDP2 shards dominate the bill), the built-in tokenizer and arithmet
 a few steps. The same config runs as 1 process and as 2 ranks (gloo, one thread each).
 Each rank measures its phases' peaks with the runtime's own probe (``observe/memory.py``:
 resident high-water mark, re-based on the tensors the run holds) and the runtime's own
-prediction (``ledger.memory.runtime_prediction``, ``devices`` = the world size).
+prediction (``ledger.runtime.runtime_prediction``, ``devices`` = the world size).
 
 Printed: per phase, predicted and measured bytes for 1 process and for the busiest of the
 2 ranks, and the drop from 1 to 2 processes, predicted against measured.
@@ -70,11 +70,12 @@ def train_args(model: Path, steps: int, prompts: int = 4, micro_batch_tokens: in
 
 def run(model: Path, steps: int, world: int, out: Path, timeout: float,
         prompts: int = 4) -> dict:
-    from orbitrl.dist import launch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+    import launch  # the test suite's rank launcher
 
     argv = launch.orbitrl_argv(*train_args(model, steps, prompts), "--out", str(out))
     if world == 1:
-        # the allocator policy the ranks pin (orbitrl.dist.env.return_large_blocks), so
+        # the allocator policy the ranks pin (orbitrl.distributed.env.return_large_blocks), so
         # both sides measure live tensors rather than heap fragmentation
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(32 << 10))
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)

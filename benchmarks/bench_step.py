@@ -64,14 +64,14 @@ def time_steps(trainer, warmup: int, steps: int) -> tuple[list[dict], list]:
     from orbitrl.observe.metrics import MetricsWriter
 
     last: list = []
-    produce = trainer.produce
+    rollouts = trainer.rollouts
 
-    def keep(*args, **kw):  # the step's batch, for the floor
-        batch = produce(*args, **kw)
-        last[:] = batch["samples"]
-        return batch
+    def keep(*args, **kw):  # the step's rollout, for the floor
+        ro = rollouts(*args, **kw)
+        last[:] = ro.samples
+        return ro
 
-    trainer.produce = keep
+    trainer.rollouts = keep
     with tempfile.TemporaryDirectory() as tmp:
         writer = MetricsWriter(Path(tmp) / "metrics.jsonl")
         rows = []
@@ -89,7 +89,7 @@ def time_steps(trainer, warmup: int, steps: int) -> tuple[list[dict], list]:
                 ms["cpu"] = 1000 * cpu
                 rows.append(ms)
         writer.close()
-    trainer.produce = produce
+    trainer.rollouts = rollouts
     return rows, last
 
 
@@ -111,7 +111,7 @@ def floor(trainer, samples, repeat: int) -> dict:
             score(ref_model, batch, T)
 
     # the scoring passes the step runs: the old policy's unless the update supplies it
-    old_pass = not getattr(trainer, "_old_from_update", lambda: False)()
+    old_pass = not trainer.scorer.old_from_update(trainer.step_idx)
 
     def scoring():
         if old_pass:

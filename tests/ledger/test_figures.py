@@ -19,7 +19,7 @@ def test_adamw_1e12_does_not_fit_100_devices_and_says_what_to_turn():
     p = plan(from_params(1e12), Strategy("adamw"), Workload(), Cluster(100, 80 * GB))
     assert not p.fits
     assert p.min_devices > 200  # state alone needs 200; activations and buffers add more
-    assert p.proposal and p.proposal["fits"] and p.proposal["knob"]
+    assert p.proposal and p.proposal.fits and p.proposal.knob
 
 
 def test_lean_bill_1e12_on_100_devices():

@@ -7,7 +7,8 @@ import pytest
 from orbitrl.ledger import models
 from orbitrl.ledger.bandwidth import Links, ring_gather_bytes
 from orbitrl.ledger.bill import phase_terms
-from orbitrl.ledger.memory import Strategy, Workload, kv_block_bytes, predict_peak, state_bytes
+from orbitrl.ledger.bill import predict_peak
+from orbitrl.ledger.memory import Strategy, Workload, kv_block_bytes, state_bytes
 from orbitrl.ledger.plan import Cluster, Options, plan
 from orbitrl.ledger.timing import auto_micro_batch, bandwidth_bill
 

@@ -5,8 +5,9 @@ import json
 import pytest
 
 from orbitrl.ledger import kv, models
+from orbitrl.ledger.bill import predict_peak
 from orbitrl.ledger.memory import (Strategy, Workload, activation_bytes, kv_cache_bytes,
-                                   predict_peak, state_bytes)
+                                   state_bytes)
 
 QWEN_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000,

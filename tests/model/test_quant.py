@@ -263,7 +263,8 @@ def test_dequantized_cache_is_in_the_ledger(tmp_path):
     """The run's predicted memory holds the kept copies when they fit the budget and the
     per-call workspace otherwise."""
     from orbitrl.config import load_config
-    from orbitrl.ledger.memory import projection_params, runtime_prediction
+    from orbitrl.ledger.memory import projection_params
+    from orbitrl.ledger.runtime import runtime_prediction
     from orbitrl.ledger.models import from_config
     from orbitrl.model.builtin import resolve_model_path
     import json

@@ -98,11 +98,11 @@ def test_adaptive_kl_moves_the_coefficient_by_the_step_batch_over_the_horizon():
 def test_kl_in_reward_uses_the_configured_estimator(monkeypatch):
     """Two runs identical up to the estimator: at the second step (the policy has moved),
     the per-token KL penalty of k2 is k1^2 / 2 of the same tokens."""
-    import orbitrl.rl.trainer as T
+    import orbitrl.rl.score as S
 
     seen = []
-    real = T.compute_advantages
-    monkeypatch.setattr(T, "compute_advantages",
+    real = S.compute_advantages
+    monkeypatch.setattr(S, "compute_advantages",
                         lambda *a: seen.append(a[4].clone()) or real(*a))
     for est in ("k1", "k2"):
         tr = make("reward.name=test_length", "algo.kl_in_reward=true", "train.lr=1e-2",
@@ -126,7 +126,7 @@ def test_stop_request_abandons_the_step_in_flight_and_changes_nothing(stop_at):
     want = ref.step()
     tr = make("reward.name=test_length", "train.deterministic=true",
               "train.micro_batch_tokens=16")
-    before, pos = adapters(tr), tr.data_pos
+    before, pos = adapters(tr), tr.data.pos
     polls = {False: 0, True: 0}  # by model.training: decode steps / micro-batches
 
     def stop():
@@ -139,7 +139,7 @@ def test_stop_request_abandons_the_step_in_flight_and_changes_nothing(stop_at):
     with pytest.raises(StepAbandoned):
         tr.step()
     assert polls[stop_at == "train"] == (2 if stop_at == "train" else 3)
-    assert tr.data_pos == pos and tr.iteration == 0 and tr.step_idx == 0
+    assert tr.data.pos == pos and tr.iteration == 0 and tr.step_idx == 0
     assert all(torch.equal(a, b) for a, b in zip(before, adapters(tr)))
     assert all(p.grad is None for p in tr.policy.trainable)
     tr.should_stop = lambda: False
@@ -149,16 +149,16 @@ def test_stop_request_abandons_the_step_in_flight_and_changes_nothing(stop_at):
 
 
 def test_nan_loss_is_skipped(monkeypatch):
-    import orbitrl.rl.trainer as T
+    import orbitrl.rl.update as U
 
     tr = make("reward.name=test_length")
-    real = T.actor_loss
+    real = U.actor_loss
 
     def nan_loss(*a, **k):
         loss, m = real(*a, **k)
         return loss * float("nan"), m
 
-    monkeypatch.setattr(T, "actor_loss", nan_loss)
+    monkeypatch.setattr(U, "actor_loss", nan_loss)
     before = adapters(tr)
     row = tr.step()
     assert row["step_skipped"] == 1 and row["skipped_nonfinite"] == 1
@@ -360,17 +360,17 @@ def test_memory_pressure_mid_run_throttles_the_pool_and_the_step_completes():
 def test_old_logprobs_from_the_update_forward_change_nothing(monkeypatch):
     """One epoch, AdamW: the update's own forward supplies the old-policy logprobs, one
     scoring pass fewer, and the run is bit for bit the one with the scoring pass."""
-    import orbitrl.rl.trainer as T
+    import orbitrl.rl.score as S
 
     calls = []
-    real_score = T.score
-    monkeypatch.setattr(T, "score", lambda *a, **k: calls.append(1) or real_score(*a, **k))
+    real_score = S.score
+    monkeypatch.setattr(S, "score", lambda *a, **k: calls.append(1) or real_score(*a, **k))
 
     def run(reuse: bool):
         tr = make("reward.name=test_length", "algo.check=false")
         if not reuse:
-            tr._old_from_update = lambda: False
-        assert tr._old_from_update() is reuse
+            tr.scorer.old_from_update = lambda version: False
+        assert tr.scorer.old_from_update(tr.step_idx) is reuse
         calls.clear()
         rows = [tr.step() for _ in range(3)]
         return rows, adapters(tr), len(calls)
@@ -389,5 +389,5 @@ def test_old_logprobs_from_the_update_forward_change_nothing(monkeypatch):
                                   ["train.mode=full"], ["algo.name=ppo"]])
 def test_old_logprobs_get_their_own_pass_when_the_update_cannot_give_them(over):
     tr = make("reward.name=test_length", "algo.check=false", *over)
-    assert not tr._old_from_update()
+    assert not tr.scorer.old_from_update(tr.step_idx)
     assert tr.step()["step_skipped"] == 0

@@ -1,15 +1,22 @@
-"""`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`:
-greedy accuracy (for a data file, ``exact_match`` against its answer field; for the built-in
-code task, the fraction of tests passed in the sandbox)."""
+"""`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`
+or `orbitrl eval --run RUN_DIR`: greedy accuracy through the path training evaluates with
+(for a data file, ``exact_match`` against its answer field; for the built-in code task, the
+fraction of tests passed in the sandbox; for a run, the run's own reward, prompt encoding
+and frozen-base format on its held-out rows)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def add_arguments(parser):
     parser.add_argument("--model", default="builtin:tiny-arith", help="HF model directory")
+    parser.add_argument("--run", metavar="RUN_DIR",
+                        help="a finished `orbitrl train` run: its final policy on its held-out "
+                        "rows, with the run's prompt encoding (chat template), reward and "
+                        "max tokens (the other flags except --limit and --out are ignored)")
     parser.add_argument("--adapter", help="PEFT adapter directory to apply")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--task", help="built-in task (default: arith held-out split)")
@@ -30,15 +37,11 @@ def run(args) -> int:
     import torch
 
     from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows
-    from orbitrl.engine import Engine, Request, SamplingParams
-    from orbitrl.model import load_model, load_tokenizer
-    from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rewards import RewardRunner
-    from orbitrl.rl.evaluate import reward_fields
 
     torch.set_num_threads(1)
-    path = resolve_model_path(args.model)
+    if args.run:
+        return _run_of(args)
     task = args.task or "arith"
     name = args.reward or TASK_REWARDS.get(task, "exact_match")
     # one batch through the runner (a batch reward such as ``code`` scores every row in one
@@ -50,33 +53,79 @@ def run(args) -> int:
     else:
         rows = task_rows(task, "heldout")
         source = f"task {task} (held-out split)"
-    if args.limit:
-        rows = rows[:args.limit]
+    fields = SimpleNamespace(prompt_field=args.prompt_field, answer_field=args.answer_field,
+                             chat_template=args.chat_template)
+    model, tok, path = _load(args.model, args.adapter)
+    return _evaluate(args, model, tok, path, args.adapter,
+                     rows[:args.limit] if args.limit else rows, runner, fields, args.max_tokens,
+                     source)
+
+
+def _run_of(args) -> int:
+    """``--run RUN_DIR``: the run's final policy on its held-out rows, encoded, capped and
+    scored as the run's config says (its chat template included), as training evaluated."""
+    import torch
+
+    from orbitrl.config import load_config
+    from orbitrl.errors import OrbitError
+    from orbitrl.rewards import RewardRunner
+    from orbitrl.rl.run import load_data
+    from orbitrl.rl.score import reward_sources
+
+    run = Path(args.run)
+    final = run / "checkpoints" / "final"
+    if not (run / "config.yaml").exists() or not final.is_dir():
+        raise OrbitError(f"{run}: not a finished run directory (config.yaml and "
+                         "checkpoints/final)")
+    cfg = load_config(run / "config.yaml")
+    held = load_data(cfg)[1]
+    runner = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
+    if cfg.train.mode == "adapter":  # the frozen base in the format the run trained over
+        from orbitrl.model.adapters import load_adapters
+        from orbitrl.rl.policy import build_policy
+
+        policy = build_policy(cfg, torch.device("cpu"))
+        load_adapters(policy.model, final)
+        model, tok, path, adapter = policy.model, policy.tokenizer, policy.path, final
+    else:
+        model, tok, path = _load(final, None)
+        adapter = None
+    return _evaluate(args, model, tok, path, adapter,
+                     held[:args.limit] if args.limit else held, runner, cfg.data,
+                     cfg.rollout.max_tokens, f"run {run} (held-out rows)")
+
+
+def _load(model_path, adapter):
+    """(model, tokenizer, resolved path) of a model directory plus PEFT adapters."""
+    from orbitrl.model import load_model, load_tokenizer
+    from orbitrl.model.builtin import resolve_model_path
+
+    path = resolve_model_path(model_path)
     model = load_model(path)
     tok = load_tokenizer(path, model.config.vocab_size)
-    if args.adapter:
+    if adapter:
         from orbitrl.model.adapters import load_adapters
 
-        load_adapters(model, args.adapter)
-    engine = Engine(model, tok)
-    prompts = [encode_prompt(tok, r[args.prompt_field], args.chat_template) for r in rows]
-    outs = engine.generate([Request(prompt_ids=p) for p in prompts],
-                           SamplingParams(n=1, max_tokens=args.max_tokens, temperature=0.0))
-    texts = [o.samples[0].text if o.error is None else "" for o in outs]
-    # a failing verifier is an error for that row, scored 0
-    res = runner(
-        [r[args.prompt_field] for r in rows], texts,
-        [reward_fields(r, args.prompt_field, args.answer_field) for r in rows])
-    failed = {e.index: e.reason for e in res.errors}
-    records = [{"prompt": r[args.prompt_field],
-                "completion": t + (f"  [reward error: {failed[i]}]" if i in failed else ""),
-                "answer": r.get(args.answer_field), "score": s,
-                **({"error": o.error} if o.error else {})}
-               for i, (r, t, s, o) in enumerate(zip(rows, texts, res.rewards, outs))]
-    total = sum(res.rewards)
-    acc = total / max(1, len(rows))
+        load_adapters(model, adapter)
+    return model, tok, path
+
+
+def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source) -> int:
+    """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
+    accuracy and write ``--out``."""
+    from orbitrl.engine import Engine
+    from orbitrl.model.tokenizer import encode_prompt
+    from orbitrl.rl.evaluate import Evaluator
+
+    ev = Evaluator(Engine(model, tok), lambda t: encode_prompt(tok, t, data.chat_template),
+                   data, max_tokens)
+    acc, records = ev.run(rows, runner)
+    for r in records:  # a failing verifier is an error for that row, scored 0
+        if "error" in r:
+            r["completion"] += f"  [reward error: {r.pop('error')}]"
+    total = sum(r["score"] for r in records)
     print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
-          + (f" + adapter {args.adapter}" if args.adapter else ""))
+          + (f" + adapter {adapter}" if adapter else ""))
     if args.out:
         Path(args.out).write_text(json.dumps({"accuracy": acc, "n": len(rows),
                                               "rows": records}, indent=1))

@@ -78,6 +78,7 @@ def run(args) -> int:
 
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
+    from orbitrl.ledger.runtime import engine_kv_dtype
     from orbitrl.model.tokenizer import encode_prompt
 
     src = Path(args.prompts)
@@ -87,7 +88,7 @@ def run(args) -> int:
     tok = orbitrl.load_tokenizer(args.model, vocab_size=model.config.vocab_size)
     budget = None if args.kv_budget_mb is None else args.kv_budget_mb << 20
     engine = Engine(model, tok, kv_budget_bytes=budget,
-                    kv_dtype="fp8" if args.kv_dtype == "fp8" else None)
+                    kv_dtype=engine_kv_dtype(args.kv_dtype))
 
     failed, reqs, lines = 0, [], []
     for i, (no, row, err) in enumerate(_read_rows(src)):

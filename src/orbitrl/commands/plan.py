@@ -185,11 +185,36 @@ def build(args):
     return shape, strat, work, cluster, opts
 
 
+def flags(knob) -> str:
+    """A planner knob as the flags that set it (``devices=8`` -> ``--devices 8``)."""
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in knob.settings)
+
+
+def proposal_doc(pr) -> dict | None:
+    """The ``proposal`` of the --json document (and the report's line) from the planner's."""
+    if pr is None:
+        return None
+    if pr.knob is None:
+        return {"knob": None, "per_device_bytes": None, "fits": False,
+                "message": "nothing fits: the per-device terms that do not shrink with more "
+                           "devices (gathered layers, activations, logits) exceed the device; "
+                           "lower --micro-batch/--seq lengths, raise --tp or use bigger devices"}
+    flag = flags(pr.knob)
+    if pr.per_device_bytes is None:  # more devices
+        n = dict(pr.knob.settings)["devices"]
+        return {"knob": flag, "per_device_bytes": None, "fits": True,
+                "message": f"no single knob fits {pr.devices} devices; {n} devices fit as given"}
+    return {"knob": flag, "per_device_bytes": pr.per_device_bytes, "fits": True,
+            "message": f"turn {flag}: peak {pr.per_device_bytes / GB:.1f} GB per device"}
+
+
 def run(args) -> int:
     from orbitrl.ledger.plan import plan
     from orbitrl.ledger.report import render
     p = plan(*build(args))
-    text = json.dumps(p.to_dict(), indent=2) if args.json else render(p.to_dict())
+    doc = p.to_dict()
+    doc["proposal"] = proposal_doc(p.proposal)
+    text = json.dumps(doc, indent=2) if args.json else render(doc)
     try:
         print(text)
         sys.stdout.flush()

@@ -31,7 +31,7 @@ def run(args) -> int:
         cfg = config_from_args(args)
     import torch
 
-    from orbitrl.dist.env import init_distributed, shutdown
+    from orbitrl.distributed.env import init_distributed, shutdown
     from orbitrl.rl.run import print_summary, run_training
 
     if cfg.train.threads > 0:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from orbitrl.ledger.memory import (PARAM_BYTES, StateBytes, Strategy, Workload, activation_bytes,
                                    forward_bytes, kv_block_bytes, logits_bytes, state_bytes)
-from orbitrl.ledger.models import ModelShape
+from orbitrl.ledger.models import ModelShape, from_config
 
 PHASES = ("rollout", "score", "train")
 ROLES = ("actor", "critic", "reference", "reward", "rollout_kv", "activations", "comm_buffers")
@@ -171,4 +171,33 @@ def role_totals(terms: dict) -> dict[str, dict[str, int]]:
                                for p in PHASES)
     for key, b in terms.get("host", {}).items():
         out[key.split(":")[0]]["host"] += b
+    return out
+
+
+def predict_peak(model, strategy: Strategy | str, workload: Workload | None = None,
+                 devices: int = 1, prefetch_depth: int = 0, kv_blocks: int | None = None) -> dict:
+    """Per-phase peak bytes on one device: what the runtime compares to its measured peak.
+
+    Args:
+        model: a :class:`ModelShape` or a Hugging Face ``config.json`` dict.
+        strategy: a :class:`Strategy` or its kind (``adamw``, ``stateless``, ``adapter``).
+            For an int4 base pass the group the runtime quantized with (``int4_group``).
+        workload: the batch shape: ``rollout_seqs`` counts sequences decoding at once on this
+            device set (left ``None``, the KV term is the elastic minimum,
+            ``min_rollout_seqs`` per device), ``micro_batch`` the sequences per
+            forward/backward (0 counts as 1).
+        devices: devices the state is sharded over (1 for a single-process CPU run).
+        prefetch_depth: layers gathered ahead (0: nothing gathered on one device).
+        kv_blocks: the KV pool the engine actually allocated, in whole blocks of
+            ``workload.block_size`` tokens (overrides the count from ``rollout_seqs``).
+    Returns:
+        ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
+    """
+    shape = model if isinstance(model, ModelShape) else from_config(model)
+    strat = strategy if isinstance(strategy, Strategy) else Strategy(strategy)
+    terms = phase_terms(shape, strat, workload or Workload(), devices=devices,
+                        prefetch_depth=prefetch_depth, kv_blocks=kv_blocks)
+    out = {phase: sum(t.values()) for phase, t in terms.items()}
+    out["peak"] = max(out.values())
+    out["terms"] = terms
     return out

@@ -108,7 +108,7 @@ class Plan:
     replicated: bool = False
     micro_batch_auto: bool = False
     min_devices: int | None = None
-    proposal: dict | None = None
+    proposal: Proposal | None = None  # (set by plan() when it does not fit)
 
     def to_dict(self) -> dict:
         m = self.model
@@ -143,7 +143,6 @@ class Plan:
             "execution": self.execution,
             "bandwidth": self.timing["bandwidth"],
             "schedule": {k: v for k, v in self.timing.items() if k != "bandwidth"},
-            "proposal": self.proposal,
         }
 
     def layout(self) -> dict:
@@ -335,53 +334,73 @@ def min_devices(shape, strategy, work, cluster, options, limit: int = 10_000_000
     return hi
 
 
+@dataclass(frozen=True)
+class Knob:
+    """One change to a plan's inputs: ``settings`` are (name, value) pairs, each name a
+    ``Workload``, ``Strategy`` or ``Options`` setting (``devices``: the cluster's size), in
+    the order a user would set them. How they are spelled (command-line flags) is the
+    caller's business."""
+    settings: tuple
+
+    @classmethod
+    def of(cls, **settings) -> "Knob":
+        return cls(tuple(settings.items()))
+
+
+@dataclass
+class Proposal:
+    """What the planner proposes for a plan that does not fit: ``knob`` the first single
+    change that fits (``per_device_bytes`` then its peak), or more devices
+    (``knob`` sets ``devices``), or nothing (``knob`` None, ``fits`` False)."""
+    knob: Knob | None
+    fits: bool
+    per_device_bytes: int | None = None
+    devices: int = 0  # the cluster's devices as given
+
+
 def _knobs(strategy: Strategy, work: Workload, options: Options):
-    """Candidate changes, cheapest first: (flag to turn, strategy, workload, options)."""
+    """Candidate changes, cheapest first: (knob, strategy, workload, options)."""
     if not work.recompute:
-        yield "--recompute on", strategy, replace(work, recompute=True), options
+        yield Knob.of(recompute="on"), strategy, replace(work, recompute=True), options
     if work.kv_dtype not in ("fp8", "int8"):
-        yield "--kv-dtype fp8", strategy, replace(work, kv_dtype="fp8"), options
+        yield Knob.of(kv_dtype="fp8"), strategy, replace(work, kv_dtype="fp8"), options
     if work.rollout_seqs:
         for div in (2, 4, 8):
             if work.rollout_seqs // div >= 1:
-                yield (f"--rollout-seqs {work.rollout_seqs // div}", strategy,
+                yield (Knob.of(rollout_seqs=work.rollout_seqs // div), strategy,
                        replace(work, rollout_seqs=work.rollout_seqs // div), options)
     else:
         for m in sorted({max(1, work.min_rollout_seqs // d) for d in (2, 4, 8)}, reverse=True):
             if m < work.min_rollout_seqs:
-                yield (f"--min-rollout-seqs {m}", strategy, replace(work, min_rollout_seqs=m),
+                yield (Knob.of(min_rollout_seqs=m), strategy, replace(work, min_rollout_seqs=m),
                        options)
     if work.micro_batch > 1:
-        yield "--micro-batch 1", strategy, replace(work, micro_batch=1), options
+        yield Knob.of(micro_batch=1), strategy, replace(work, micro_batch=1), options
     if options.prefetch_depth > 1:
-        yield "--prefetch-depth 1", strategy, work, replace(options, prefetch_depth=1)
+        yield Knob.of(prefetch_depth=1), strategy, work, replace(options, prefetch_depth=1)
     r = options.roles
     if strategy.kind in ("adamw", "adapter") and r.offload < 1:
-        yield "--offload optimizer", strategy, work, replace(options, roles=replace(r, offload=1))
+        yield (Knob.of(offload="optimizer"), strategy, work,
+               replace(options, roles=replace(r, offload=1)))
     if strategy.kind == "adamw":
-        yield "--strategy stateless", replace(strategy, kind="stateless"), work, options
+        yield Knob.of(strategy="stateless"), replace(strategy, kind="stateless"), work, options
     for base in ("bf16", "int8", "int4"):
         if strategy.kind != "adapter" or base != strategy.base_dtype:
-            yield (f"--strategy adapter --base-dtype {base}",
+            yield (Knob.of(strategy="adapter", base_dtype=base),
                    replace(strategy, kind="adapter", base_dtype=base), work, options)
-    yield "--offload weights", strategy, work, replace(options, roles=replace(r, offload=2))
+    yield Knob.of(offload="weights"), strategy, work, replace(options, roles=replace(r, offload=2))
 
 
-def propose(shape, strategy, work, cluster, options) -> dict:
+def propose(shape, strategy, work, cluster, options) -> Proposal:
     """The first single knob that makes the run fit on these devices, else more devices."""
-    for flag, s, w, o in _knobs(strategy, work, options):
+    for knob, s, w, o in _knobs(strategy, work, options):
         p = fit(shape, s, w, cluster, o)
         if p.fits:
-            return {"knob": flag, "per_device_bytes": p.per_device_bytes, "fits": True,
-                    "message": f"turn {flag}: peak {p.per_device_bytes / GB:.1f} GB per device"}
+            return Proposal(knob, True, p.per_device_bytes, cluster.devices)
     n = min_devices(shape, strategy, work, cluster, options)
     if n is not None:
-        return {"knob": f"--devices {n}", "per_device_bytes": None, "fits": True,
-                "message": f"no single knob fits {cluster.devices} devices; {n} devices fit as given"}
-    return {"knob": None, "per_device_bytes": None, "fits": False,
-            "message": "nothing fits: the per-device terms that do not shrink with more devices "
-                       "(gathered layers, activations, logits) exceed the device; lower "
-                       "--micro-batch/--seq lengths, raise --tp or use bigger devices"}
+        return Proposal(Knob.of(devices=n), True, None, cluster.devices)
+    return Proposal(None, False, None, cluster.devices)
 
 
 def plan(shape: ModelShape, strategy: Strategy, work: Workload, cluster: Cluster,

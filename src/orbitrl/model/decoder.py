@@ -202,14 +202,14 @@ class Decoder(nn.Module):
         export (written contiguous). Costs elsewhere: a tied embedding lookup gathers
         columns (about 0.5 ms for 128 tokens, 10 ms for 2048); gradients take the
         parameter's layout (``train/logprobs.py`` builds the head's gradient in it).
-        Sharding (``dist.fsdp``) makes the head row-major again. A model moved to a GPU
+        Sharding (``distributed.fsdp``) makes the head row-major again. A model moved to a GPU
         afterwards keeps the layout, which cuBLAS takes as it is.
         """
         w = self.lm_head.weight
         if (w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous()
                 or w.shape[0] == 1):
             return False
-        from orbitrl.dist.env import is_dtensor
+        from orbitrl.model.dtensor import is_dtensor
 
         if is_dtensor(w):
             return False

@@ -1,6 +1,6 @@
 """Predicted against measured peak memory, per phase of an RL step.
 
-The runtime calls :func:`orbitrl.ledger.memory.predict_peak` once (the planner's own
+The runtime calls :func:`orbitrl.ledger.runtime.runtime_prediction` once (the planner's own
 arithmetic, fed the run's model config, strategy and batch shape) and measures each phase's
 peak next to it:
 
@@ -224,7 +224,7 @@ def _tensors(obj):
 
 def _storages(t: torch.Tensor):
     """(data_ptr, nbytes, storage) of the plain storages behind ``t`` (subclasses unpacked)."""
-    from orbitrl.dist.env import is_dtensor, local
+    from orbitrl.model.dtensor import is_dtensor, local
 
     inner = t.data if isinstance(t, torch.nn.Parameter) else t
     if is_dtensor(inner):  # its shard
@@ -281,15 +281,14 @@ class ProbedPhaseTimer(PhaseTimer):
 
 
 def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1) -> dict:
-    """The ledger's prediction for this run (see ``ledger.memory.runtime_prediction``):
+    """The ledger's prediction for this run (see ``ledger.runtime.runtime_prediction``):
     the model's config.json, the KV pool as the engine allocated it, ``prompt_len`` the
     longest prompt of the task in tokens, ``devices`` the ranks the weights are sharded
     over (the prediction is per rank)."""
-    from orbitrl.ledger.memory import runtime_prediction
+    from orbitrl.ledger.runtime import runtime_prediction
 
     return runtime_prediction(cfg, model.config.hf, prompt_len,
                               kv_blocks=engine.pool.num_blocks,
-                              kv_dtype="fp8" if cfg.rollout.kv_dtype == "fp8" else None,
                               device=torch.device(model.device).type,
                               recompute=bool(getattr(model, "recompute", False)),
                               devices=devices)

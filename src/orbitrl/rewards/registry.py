@@ -40,8 +40,8 @@ def register(name: str, override: bool = False) -> Callable[[RewardFn], RewardFn
 
 
 def list_rewards() -> list[str]:
-    """Names of the registered rewards (built-ins included), sorted."""
-    _load_builtins()
+    """Names of the registered rewards (built-ins included: the package's ``__init__``
+    imports the modules that register them before anything can call this), sorted."""
     return sorted(_REGISTRY)
 
 
@@ -63,7 +63,6 @@ def get_reward(name: str | RewardFn, config: Any = None) -> RewardFn:
     """
     if callable(name):
         return name
-    _load_builtins()
     if name in _REGISTRY:
         fn = _REGISTRY[name]
         return fn.with_config(config) if config is not None and hasattr(fn, "with_config") else fn
@@ -85,8 +84,3 @@ def get_reward(name: str | RewardFn, config: Any = None) -> RewardFn:
     raise OrbitError(f"unknown reward {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
                      f"(or give an import path 'pkg.module:func')")
 
-
-def _load_builtins() -> None:
-    # verifiers registers itself on import; imported here, not at the top, to avoid a cycle
-    import orbitrl.rewards.code  # noqa: F401
-    import orbitrl.rewards.verifiers  # noqa: F401

@@ -118,7 +118,7 @@ def _requantize(reference: Decoder, policy: Decoder):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded (DTensor) parameter: a collective every rank joins
     (ranks refresh their replicated reference together, on the same reduced KL)."""
-    from orbitrl.dist.env import is_dtensor
+    from orbitrl.model.dtensor import is_dtensor
 
     t = t.detach()
     return t.full_tensor() if is_dtensor(t) else t

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from orbitrl.dist.env import local
+from orbitrl.model.dtensor import local
 
 
 class GradNormGuard:

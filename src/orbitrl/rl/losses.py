@@ -115,14 +115,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         advantages = advantages[:, None].expand_as(logp)
     advantages = advantages.detach().float()
     token_log_ratio = logp - old_logp
-    if ratio_level == "token":
-        log_ratio = token_log_ratio
-    elif ratio_level == "sequence":
-        seq = sequence_log_ratio(logp.detach(), old_logp, mask)
-        log_ratio = logp - logp.detach() + seq[:, None]
-    else:
-        raise OrbitError(f"unknown ratio_level {ratio_level!r}; expected 'token' or 'sequence'")
-    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    ratio = _ratio(logp, old_logp, token_log_ratio, mask, ratio_level)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss1, loss2)
@@ -136,35 +129,61 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         per_token = torch.where(advantages < 0, torch.minimum(per_token, loss3), per_token)
         metrics["dual_clip_frac"] = masked_mean(capped.to(m.dtype), m)
     if rollout_logp is not None:
-        w = tis_weights(old_logp, rollout_logp, tis_cap)
-        per_token = per_token * w
-        gap = (old_logp - rollout_logp.detach()).abs()
-        metrics["tis_weight_mean"] = masked_mean(w, m)
-        metrics["tis_clip_frac"] = masked_mean((w >= tis_cap).to(m.dtype), m)
-        metrics["logprob_mismatch_max"] = (gap * m).max() if m.numel() else gap.new_zeros(())
-        metrics["logprob_mismatch_mean"] = masked_mean(gap, m)
+        per_token = _tis(per_token, old_logp, rollout_logp, tis_cap, m, metrics)
     loss = aggregate(per_token, mask, agg, norm_len, denom)
 
     with torch.no_grad():
-        r = ratio.detach()
-        high = (advantages > 0) & (r > 1.0 + clip_high)
-        low = (advantages < 0) & (r < 1.0 - clip_low)
-        valid = m.bool()
-        inf = torch.tensor(float("inf"), device=r.device)
-        any_valid = valid.any()  # stays on device: no sync until the single one below
-        tlr = token_log_ratio.detach()
-        metrics.update(
-            pg_loss=loss.detach(),
-            clip_frac=masked_mean((high | low).to(m.dtype), m),
-            clip_frac_high=masked_mean(high.to(m.dtype), m),
-            clip_frac_low=masked_mean(low.to(m.dtype), m),
-            ratio_mean=torch.where(any_valid, masked_mean(r, m), 1.0),
-            ratio_max=torch.where(any_valid, torch.where(valid, r, -inf).max(), 1.0),
-            ratio_min=torch.where(any_valid, torch.where(valid, r, inf).min(), 1.0),
-            approx_kl=masked_mean(tlr.clamp(max=_MAX_LOG_RATIO).exp() - 1.0 - tlr, m),
-        )
+        metrics.update(_ratio_metrics(ratio.detach(), token_log_ratio.detach(), advantages, m,
+                                      clip_low, clip_high, loss.detach()))
         values = torch.stack([v.float() for v in metrics.values()]).tolist()
     return loss, dict(zip(metrics.keys(), values))
+
+
+def _tis(per_token: Tensor, old_logp: Tensor, rollout_logp: Tensor, tis_cap: float, m: Tensor,
+         metrics: dict) -> Tensor:
+    """Per-token losses weighted by the truncated importance weight of the trainer's old
+    logprobs over the rollout engine's; the weights' and the gap's statistics into metrics."""
+    w = tis_weights(old_logp, rollout_logp, tis_cap)
+    gap = (old_logp - rollout_logp.detach()).abs()
+    metrics["tis_weight_mean"] = masked_mean(w, m)
+    metrics["tis_clip_frac"] = masked_mean((w >= tis_cap).to(m.dtype), m)
+    metrics["logprob_mismatch_max"] = (gap * m).max() if m.numel() else gap.new_zeros(())
+    metrics["logprob_mismatch_mean"] = masked_mean(gap, m)
+    return per_token * w
+
+
+def _ratio(logp: Tensor, old_logp: Tensor, token_log_ratio: Tensor, mask: Tensor,
+           ratio_level: str) -> Tensor:
+    """The importance ratio [B, T] per token, or GSPO's per sequence (token-level gradient)."""
+    if ratio_level == "token":
+        log_ratio = token_log_ratio
+    elif ratio_level == "sequence":
+        seq = sequence_log_ratio(logp.detach(), old_logp, mask)
+        log_ratio = logp - logp.detach() + seq[:, None]
+    else:
+        raise OrbitError(f"unknown ratio_level {ratio_level!r}; expected 'token' or 'sequence'")
+    return log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+
+
+def _ratio_metrics(r: Tensor, tlr: Tensor, advantages: Tensor, m: Tensor, clip_low: float,
+                   clip_high: float, pg_loss: Tensor) -> dict[str, Tensor]:
+    """Clip fractions, ratio statistics and the k3 KL(old || current), as device scalars
+    (the caller syncs once for all of them)."""
+    high = (advantages > 0) & (r > 1.0 + clip_high)
+    low = (advantages < 0) & (r < 1.0 - clip_low)
+    valid = m.bool()
+    inf = torch.tensor(float("inf"), device=r.device)
+    any_valid = valid.any()  # stays on device: no sync until the caller's
+    return dict(
+        pg_loss=pg_loss,
+        clip_frac=masked_mean((high | low).to(m.dtype), m),
+        clip_frac_high=masked_mean(high.to(m.dtype), m),
+        clip_frac_low=masked_mean(low.to(m.dtype), m),
+        ratio_mean=torch.where(any_valid, masked_mean(r, m), 1.0),
+        ratio_max=torch.where(any_valid, torch.where(valid, r, -inf).max(), 1.0),
+        ratio_min=torch.where(any_valid, torch.where(valid, r, inf).min(), 1.0),
+        approx_kl=masked_mean(tlr.clamp(max=_MAX_LOG_RATIO).exp() - 1.0 - tlr, m),
+    )
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
@@ -286,6 +305,12 @@ class FixedKLController:
         """No-op; returns the coefficient."""
         return self.value
 
+    def state_dict(self) -> dict:
+        return {"kl_coef": self.value}
+
+    def load_state_dict(self, sd: dict):
+        self.value = sd["kl_coef"]
+
 
 class AdaptiveKLController:
     """Ziegler et al. (2019): steer the KL toward `target` with a clipped proportional rule.
@@ -306,6 +331,12 @@ class AdaptiveKLController:
         # factor stays in [0.8, 1.2] and the coefficient positive
         self.value *= 1.0 + error * min(1.0, n_steps / self.horizon)
         return self.value
+
+    def state_dict(self) -> dict:
+        return {"kl_coef": self.value}
+
+    def load_state_dict(self, sd: dict):
+        self.value = sd["kl_coef"]
 
 
 def make_kl_controller(kind: str = "fixed", coef: float = 0.01, target: float = 0.1,

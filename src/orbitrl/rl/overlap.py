@@ -32,22 +32,47 @@ class Cancelled(Exception):
     """Raised inside the engine's step hook to stop a rollout when the run stops."""
 
 
+def producer(rollouts, judge, device):
+    """The producer thread's ``produce(j, version, cancel)``: step j's rollout (the step
+    number in its sampling seed, no mode flips: the adapter view is in place) judged by
+    the verifiers, timed on its own timer. Built from the components, not the trainer.
+
+    Args:
+        rollouts: the run's ``rl.rollout.Rollouts``; judge: ``Scorer.judge``;
+        device: where the timer measures.
+    """
+    from orbitrl.observe.metrics import PhaseTimer
+
+    def produce(j: int, version: int, cancel):
+        timer = PhaseTimer(device)
+        return judge(rollouts(j, version, cancel, Cancelled, timer, eval_mode=False), timer)
+    return produce
+
+
 class Overlap:
     """The producer thread and the versioned adapter snapshots it samples with.
 
     Args:
-        trainer: the RLTrainer (its ``produce(j, view)`` generates step j's batch).
+        produce: ``produce(j, version, cancel)`` -> step j's judged Rollout, sampled with
+            policy ``version``; ``cancel()`` turns True when the run stops (the rollout then
+            raises :class:`Cancelled`). It runs on the producer thread with the snapshot's
+            adapters in place (``adapter_view``) and must not touch the trainer.
+        model: the policy whose adapters are snapshotted.
+        max_steps: the run's last step (nothing is produced past it).
         queue_size: how many steps the rollout runs ahead (the staleness), >= 1.
         start: the first step to produce (the trainer's iteration, after a resume).
+        version: the policy version at ``start``.
         snapshots: ``{steps trained: adapter snapshot}`` to continue from (a resume); the
             snapshot of the current weights is added.
     """
 
-    def __init__(self, trainer, queue_size: int, start: int, snapshots: dict | None = None):
-        self.trainer, self.q = trainer, int(queue_size)
+    def __init__(self, produce, model, max_steps: int, queue_size: int, start: int,
+                 version: int, snapshots: dict | None = None):
+        self.produce, self.model, self.max_steps = produce, model, max_steps
+        self.q = int(queue_size)
         self.cond = threading.Condition()
         self.snapshots = dict(snapshots or {})
-        self.snapshots.setdefault(start, (trainer.step_idx, snapshot_adapters(trainer.model)))
+        self.snapshots.setdefault(start, (version, snapshot_adapters(model)))
         self.done = start  # steps trained
         self.ready: dict[int, dict] = {}
         self.error: BaseException | None = None
@@ -71,13 +96,13 @@ class Overlap:
                 j = self.next
                 with self.cond:
                     while not self.stopping and (
-                            j >= self.trainer.cfg.train.max_steps or self.done < j - self.q):
+                            j >= self.max_steps or self.done < j - self.q):
                         self.cond.wait()
                     if self.stopping:
                         return
                     version, view = self.snapshots[self._source(j)]
                 with adapter_view(view):
-                    batch = self.trainer.produce(j, version, cancel=lambda: self.stopping)
+                    batch = self.produce(j, version, lambda: self.stopping)
                 with self.cond:
                     self.ready[j] = batch
                     self.next = j + 1
@@ -102,9 +127,10 @@ class Overlap:
                 raise self.error
             return self.ready.pop(j), time.perf_counter() - t0
 
-    def trained(self, steps_done: int):
-        """Training finished ``steps_done`` steps: publish its weights for the producer."""
-        snap = (self.trainer.step_idx, snapshot_adapters(self.trainer.model))
+    def trained(self, steps_done: int, version: int):
+        """Training finished ``steps_done`` steps (policy ``version``): publish its weights
+        for the producer."""
+        snap = (version, snapshot_adapters(self.model))
         with self.cond:
             self.done = steps_done
             self.snapshots[steps_done] = snap

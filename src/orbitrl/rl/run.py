@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from orbitrl.config import Config, save_config
@@ -40,141 +41,211 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
                  dist=None) -> dict:
     """Train (or continue a run from its latest checkpoint) and write the summary.
 
-    ``dist``: this process's :class:`orbitrl.dist.env.Dist` under torchrun (every rank
+    ``dist``: this process's :class:`orbitrl.distributed.env.Dist` under torchrun (every rank
     runs this function; rank 0 alone writes metrics, summary and the final policy)."""
-    from orbitrl.dist.env import Dist
-    from orbitrl.dist.metrics import reduce_row
-    from orbitrl.rewards import get_reward
-    from orbitrl.rl.checkpoint import Checkpointer, resume_from
-    from orbitrl.rl.trainer import RLTrainer, StepAbandoned
+    from orbitrl.distributed.collective import Collective
+    from orbitrl.rl.checkpoint import Checkpointer
+    from orbitrl.rl.trainer import RLTrainer
 
-    dist = dist or Dist()
-    main = dist.is_main
-    if not main:
-        echo = _quiet
-
-    for name in [cfg.reward.name, *cfg.reward.extra]:  # fail on a bad name before loading
-        if not str(name).startswith("rm:"):
-            get_reward(name)
+    coll = Collective(dist)
+    echo = echo if coll.is_main else _quiet
+    check_rewards(cfg)  # fail on a bad name before loading
     train_rows, held = load_data(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if main:
+    if coll.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=dist)
-    t_start = time.perf_counter()
-    trainer = RLTrainer(cfg, train_rows, held, dist=dist)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=coll.dist)
+    clock = RunClock()
+    trainer = RLTrainer(cfg, train_rows, held, dist=coll.dist)
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
-    # the built-in task also reports whether the number was right in any format, so the
-    # share of a gain that is arithmetic and the share that is answer format are visible
-    lenient = "arithmetic" if not cfg.data.train and cfg.reward.name == "exact_match" else None
-    latest = ckpt.latest() if resume else None
-    if latest is not None:
-        state = resume_from(trainer, latest)  # either format, at any world size
-        acc0 = state["extra"]["heldout_accuracy_before"]
-        num0 = state["extra"].get("heldout_number_accuracy_before")
-        prior_wall = state["extra"].get("wall_seconds", 0.0)
-        echo(f"resumed from {latest} at step {trainer.iteration}")
-    else:
-        acc0 = trainer.evaluate(held)
-        num0 = trainer.evaluate(held, lenient) if lenient else None
-        prior_wall = 0.0
-        echo(f"held-out accuracy before: {acc0:.3f}")
+    start = RunStart.begin(trainer, ckpt.latest() if resume else None, held, clock, echo)
+    stopped = train_loop(trainer, cfg, coll, ckpt, run_dir, start, clock)
+    ckpt.save(trainer, start.extra(clock), block=True)
+    if stopped in ("SIGINT", "SIGTERM"):
+        echo(f"stopped by {stopped} at step {trainer.iteration}; checkpoint written, "
+             f"continue with: orbitrl train --resume {run_dir}")
+        raise SystemExit(130 if stopped == "SIGINT" else 143)
+    after = evaluate_after(trainer, held, start)
+    save_policy(trainer, run_dir / "checkpoints" / "final")
+    summary = run_summary(trainer, start, after, stopped, clock, coll)
+    if coll.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
-    # each step appears once: drop rows logged after the checkpoint we continue from
-    kept = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] < trainer.iteration]
-    if main:
-        _rewrite_metrics(run_dir / "metrics.jsonl", kept)
-    # every step's mean reward (the summary's averages), from the checkpoint: with
-    # log.every > 1 metrics.jsonl holds only some steps
-    rewards = list(state["extra"]["rewards"]) if latest is not None and \
-        "rewards" in state["extra"] else [r["reward_mean"] for r in kept]
-    writer = MetricsWriter(run_dir / "metrics.jsonl") if main else _NoWriter()
-    external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb, cfg.to_dict()) \
-        if main else _NoWriter()
+
+def check_rewards(cfg: Config):
+    """Every named reward resolves (reward models load later, with the trainer)."""
+    from orbitrl.rewards import get_reward
+
+    for name in [cfg.reward.name, *cfg.reward.extra]:
+        if not str(name).startswith("rm:"):
+            get_reward(name)
+
+
+class RunClock:
+    """Wall seconds of the run, those of the runs it continues included."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.prior = 0.0
+
+    def wall(self) -> float:
+        return self.prior + time.perf_counter() - self.t0
+
+
+@dataclass
+class RunStart:
+    """Where the run starts: held-out accuracy before training (``number``: the built-in
+    task's any-format accuracy, None elsewhere), every earlier step's mean reward, whether it
+    continues a checkpoint."""
+    acc: float
+    number: float | None
+    lenient: str | None
+    rewards: list
+    resumed: bool
+
+    @classmethod
+    def begin(cls, trainer, latest: Path | None, held: list[dict], clock: RunClock, echo):
+        from orbitrl.rl.checkpoint import resume_from
+
+        cfg = trainer.cfg
+        # the built-in task also reports whether the number was right in any format, so the
+        # share of a gain that is arithmetic and the share that is answer format are visible
+        lenient = "arithmetic" if not cfg.data.train and cfg.reward.name == "exact_match" \
+            else None
+        if latest is None:
+            acc = trainer.evaluate(held)
+            num = trainer.evaluate(held, lenient) if lenient else None
+            echo(f"held-out accuracy before: {acc:.3f}")
+            return cls(acc, num, lenient, None, False)
+        x = resume_from(trainer, latest)["extra"]  # either format, at any world size
+        clock.prior = x.get("wall_seconds", 0.0)
+        echo(f"resumed from {latest} at step {trainer.iteration}")
+        return cls(x["heldout_accuracy_before"], x.get("heldout_number_accuracy_before"),
+                   lenient, list(x["rewards"]) if "rewards" in x else None, True)
+
+    def extra(self, clock: RunClock) -> dict:
+        """What a checkpoint keeps of the run besides the trainer's state."""
+        return {"heldout_accuracy_before": self.acc,
+                "heldout_number_accuracy_before": self.number,
+                "wall_seconds": clock.wall(), "rewards": list(self.rewards)}
+
+
+def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
+               clock: RunClock) -> str:
+    """Steps until ``train.max_steps``, the time budget or a signal; returns why it ended."""
+    from orbitrl.rl.trainer import StepAbandoned
+
+    log = RunLog(run_dir, cfg, coll, trainer.iteration)
+    if start.rewards is None:  # every step's mean reward: the summary's averages
+        start.rewards = [r["reward_mean"] for r in log.kept]
     stop = _StopSignals()
-    if not dist.enabled and not cfg.rollout.overlap:
+    if not coll.enabled and not cfg.rollout.overlap:
         # a stop request abandons the step in flight (minutes on a real model on CPUs);
         # overlapped, the producer is cancelled on close and the trained step finishes
         trainer.should_stop = lambda: stop.signal is not None
     budget, t_loop = cfg.train.max_seconds, time.perf_counter()
     bar = Progress(cfg.train.max_steps, budget, trainer.iteration,
-                   disable=not (cfg.log.progress and main))
+                   disable=not (cfg.log.progress and coll.is_main))
     stopped = "max_steps"
-    pending = None
-
-    def extra():
-        return {"heldout_accuracy_before": acc0, "heldout_number_accuracy_before": num0,
-                "wall_seconds": prior_wall + time.perf_counter() - t_start,
-                "rewards": list(rewards)}
-
     try:
         while trainer.iteration < cfg.train.max_steps:
             # ranks stop together (each later step is a collective): decisions are reduced
-            if budget and dist.any(time.perf_counter() - t_loop > budget):
+            if budget and coll.any(time.perf_counter() - t_loop > budget):
                 stopped = "max_seconds"
                 break
-            if dist.any(stop.signal is not None):
+            if coll.any(stop.signal is not None):
                 stopped = stop.signal or "SIGTERM"
                 break
-            row = reduce_row(trainer.step(), dist)
-            row["wall_s"] = prior_wall + time.perf_counter() - t_start
-            pending = row  # written every log.every steps, and the last one at the end
-            if trainer.iteration % cfg.log.every == 0:
-                writer.write(row)
-                external.write(row)
-                pending = None
-            rewards.append(row["reward_mean"])
-            recent = rewards[-20:]
+            row = coll.reduce_row(trainer.step())
+            row["wall_s"] = clock.wall()
+            log.write(row, trainer.iteration % cfg.log.every == 0)
+            start.rewards.append(row["reward_mean"])
+            recent = start.rewards[-20:]
             bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
                        kl=f"{row.get('kl', 0.0):.4f}")
             if cfg.checkpoint.every and trainer.iteration % cfg.checkpoint.every == 0:
-                ckpt.save(trainer, extra())
+                ckpt.save(trainer, start.extra(clock))
     except StepAbandoned:
         stopped = stop.signal or "SIGTERM"
     except KeyboardInterrupt:
         stopped = "SIGINT"
     finally:
-        if pending is not None:  # the run's last step, whatever ended the loop
-            writer.write(pending)
-            external.write(pending)
+        log.close()  # (with the run's last row, whatever ended the loop)
         trainer.close()
         bar.close()
-        writer.close()
-        external.close()
         stop.restore()
-    ckpt.save(trainer, extra(), block=True)
-    if stopped in ("SIGINT", "SIGTERM"):
-        echo(f"stopped by {stopped} at step {trainer.iteration}; checkpoint written, "
-             f"continue with: orbitrl train --resume {run_dir}")
-        raise SystemExit(130 if stopped == "SIGINT" else 143)
-    acc1 = trainer.evaluate(held)
+    return stopped
+
+
+class RunLog:
+    """metrics.jsonl (and TensorBoard / wandb) on rank 0: each step once (rows logged after
+    the checkpoint a run continues from are dropped), every ``log.every`` steps and the
+    last one."""
+
+    def __init__(self, run_dir: Path, cfg: Config, coll, iteration: int):
+        path = run_dir / "metrics.jsonl"
+        self.kept = [r for r in read_metrics(path) if r["step"] < iteration]
+        main = coll.is_main
+        if main:
+            _rewrite_metrics(path, self.kept)
+        self.writer = MetricsWriter(path) if main else _NoWriter()
+        self.external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb,
+                                        cfg.to_dict()) if main else _NoWriter()
+        self.pending = None
+
+    def write(self, row: dict, now: bool):
+        self.pending = row
+        if now:
+            self.writer.write(row)
+            self.external.write(row)
+            self.pending = None
+
+    def close(self):
+        if self.pending is not None:
+            self.writer.write(self.pending)
+            self.external.write(self.pending)
+        self.writer.close()
+        self.external.close()
+
+
+def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
+    """Held-out accuracy after training (and the built-in task's any-format accuracy)."""
+    out = {"heldout_accuracy_after": trainer.evaluate(held)}
+    if start.lenient:
+        out["heldout_number_accuracy_after"] = trainer.evaluate(held, start.lenient)
+    return out
+
+
+def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunClock,
+                coll) -> dict:
+    """summary.json: held-out accuracy before and after, rewards, skips, memory."""
+    cfg, rewards = trainer.cfg, start.rewards
     extra_acc = {}
-    if lenient:
-        extra_acc = {"heldout_number_accuracy_before": num0,
-                     "heldout_number_accuracy_after": trainer.evaluate(held, lenient)}
-    save_policy(trainer, run_dir / "checkpoints" / "final")
+    if start.lenient:
+        extra_acc = {"heldout_number_accuracy_before": start.number,
+                     "heldout_number_accuracy_after": after["heldout_number_accuracy_after"]}
     summary = {
-        "heldout_accuracy_before": acc0, "heldout_accuracy_after": acc1,
+        "heldout_accuracy_before": start.acc,
+        "heldout_accuracy_after": after["heldout_accuracy_after"],
         "steps": trainer.iteration, "optimizer_steps": trainer.step_idx, "stopped": stopped,
-        "wall_seconds": prior_wall + time.perf_counter() - t_start,
+        "wall_seconds": clock.wall(),
         "reward_first_20": _mean(rewards[:20]), "reward_last_20": _mean(rewards[-20:]),
         "peak_memory_bytes": peak_rss_bytes(), "anchor_refreshes": trainer.anchors.events,
         **trainer.skip_counts(),
-        "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": latest is not None,
+        "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": start.resumed,
         **(mem := trainer.mem.summary()),
         **extra_acc,
     }
-    if dist.enabled:
-        summary["world_size"] = dist.world
-        peaks = dist.gather_objects(mem)
+    if coll.enabled:
+        summary["world_size"] = coll.world
+        peaks = coll.gather_objects(mem)
         summary["measured_peak_bytes_by_rank"] = [p["measured_peak_bytes"] for p in peaks]
         for ph in ("rollout", "score", "train"):
             summary[f"measured_{ph}_bytes_by_rank"] = [p.get(f"measured_{ph}_bytes")
                                                       for p in peaks]
-    if main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -260,16 +331,11 @@ def _rewrite_metrics(path: Path, rows: list[dict]):
 def save_policy(trainer, out: Path):
     """Adapters in PEFT's format (adapter mode) or the whole model as an HF directory.
     Sharded: every rank joins the gather of the whole weights, rank 0 writes them."""
-    dist = getattr(trainer, "dist", None)
-    if dist is not None and dist.enabled:
-        from orbitrl.dist.fsdp import gathered
-
-        with gathered(trainer.model):
-            if dist.is_main:
-                _save_policy(trainer, out)
-        dist.barrier()
-        return
-    _save_policy(trainer, out)
+    coll = trainer.coll
+    with coll.gathered(trainer.model):
+        if coll.is_main:
+            _save_policy(trainer, out)
+    coll.barrier()
 
 
 def _save_policy(trainer, out: Path):

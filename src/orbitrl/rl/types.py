@@ -26,3 +26,70 @@ class Sample:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+
+class StepAbandoned(Exception):
+    """A stop request (``RLTrainer.should_stop``, SIGTERM) ended the step in flight before
+    anything was applied; the trainer is as it was before the step."""
+
+
+@dataclass
+class Rollout:
+    """One step's samples as the engine produced them (rollout.py), with the verifiers'
+    rewards once ``Scorer.judge`` has run (in the producer thread when overlapped, so their
+    seconds hide behind training too)."""
+    samples: list[Sample]
+    gen_tokens: int                  # tokens the engine generated
+    watchdog: int                    # watchdog events during this rollout
+    timeline: list                   # the engine's (sequences, tokens, seconds) per step
+    governor: dict                   # the KV governor's counters
+    data_after: tuple                # the data cursor's position after this step's prompts
+    rewards: object = None           # rewards.RewardResult, from Scorer.judge
+    seconds: dict = field(default_factory=dict)  # rollout (and reward) phase seconds
+
+
+@dataclass
+class Scored:
+    """The kept samples of one step, ready for the update (score.py builds it).
+
+    Per micro-batch k (``parts[k]`` packed, ``sizes[k]`` samples): ``old[k]`` the old policy's
+    logprobs [B_k, T_k] (None: the update's own forward gives them) and ``ref[k]`` the
+    anchor's (None: no KL term). Over the whole batch [B, T]: ``adv`` the advantages,
+    ``mask`` the loss mask (the overlong filter's zeros included; the packed micro-batches'
+    own masks stay the completion masks), PPO's ``values`` and ``returns``."""
+    parts: list                      # [PackedBatch] one per micro-batch
+    sizes: list[int]
+    old: list
+    ref: list
+    adv: object                      # torch.Tensor [B, T]
+    mask: object                     # torch.Tensor [B, T]
+    kl_coef: float
+    temperature: float
+    values: object = None            # torch.Tensor [B, T] (PPO)
+    returns: object = None           # torch.Tensor [B, T] (PPO)
+    metrics: dict = field(default_factory=dict)  # the logprob mismatch, when measured
+    tokens: int = 0                  # prompt + completion tokens of the kept samples
+
+    @property
+    def scoring_passes(self) -> int:
+        """No-grad forwards of the batch this step ran: the old policy's (none when the
+        update's forward gives it) and the reference's."""
+        return int(bool(self.old) and self.old[0] is not None) + (self.ref[0] is not None)
+
+
+@dataclass
+class StepScore:
+    """What scoring one rollout gave: the row's reward and sampling metrics and the batch
+    to train on (None: nothing kept here and on every rank, the step is skipped).
+    ``anything``: some rank had samples (False: the watchdog dropped every group)."""
+    metrics: dict
+    batch: Scored | None
+    anything: bool = True
+
+
+@dataclass
+class Update:
+    """The result of one update: whether the optimizer applied it (the policy version
+    advances) and its metrics (norms, losses, ratios, skip counts)."""
+    applied: bool
+    metrics: dict

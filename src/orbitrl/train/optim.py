@@ -62,7 +62,7 @@ micro-batch's own norm: over k micro-batches the update is ``lr * mean_i clip(g_
 weights after the earlier ones). ``stats.steps`` counts optimizer steps (every k
 micro-batches), so a scheduler stepped every ``k`` calls behaves as with accumulation.
 
-Sharded parameters (FSDP2 DTensors, see ``orbitrl.dist.fsdp``): the hook fires on each
+Sharded parameters (FSDP2 DTensors, see ``orbitrl.distributed.fsdp``): the hook fires on each
 rank's shard once the summed gradient of that shard has arrived, and updates that shard
 only. Everything that is a sum over the whole tensor (the squared norm for clipping,
 AdaLomo's column means, the row mean, the RMS of the update and of the weight) is summed
@@ -81,7 +81,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from orbitrl.dist.env import is_dtensor
+from orbitrl.model.dtensor import is_dtensor
 from orbitrl.errors import OrbitError
 
 
@@ -344,6 +344,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         fused = state_dict.pop("fused", None)
         super().load_state_dict(state_dict)
+        self.load_fused_state(fused)
+
+    def load_fused_state(self, fused: dict | None):
+        """The fused step's own counters and last norm (``state_dict()["fused"]``), for a
+        caller that restores the per-parameter state itself (a sharded checkpoint)."""
         if fused:
             self.stats = FusedStats(**fused["stats"])
             self._prev_norm = fused["prev_norm"]

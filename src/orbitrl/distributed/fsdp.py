@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from orbitrl.dist.env import Dist
+from orbitrl.distributed.env import Dist
 
 
 def fsdp_modules(model: nn.Module) -> list:

@@ -78,7 +78,7 @@ def train_args(model: Path, mode: str, steps: int, *extra: str) -> list[str]:
 
 def train(args: list[str], world: int, run_dir: Path, resume: bool = False):
     """``orbitrl train`` on ``world`` ranks; returns the per-rank results (asserted 0)."""
-    from orbitrl.dist import launch
+    import launch
 
     argv = launch.orbitrl_argv(*(["train", "--resume", str(run_dir)] + args[1:] if resume
                                  else args + ["--out", str(run_dir)]))

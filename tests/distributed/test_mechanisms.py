@@ -1,6 +1,6 @@
 """The distributed mechanisms one by one: process-group setup and bad input (one process),
 then sharded optimizers, lockstep forwards, global-batch statistics and metric reduction on
-2 ranks against their one-process originals (tests/dist/rank_checks.py)."""
+2 ranks against their one-process originals (tests/distributed/rank_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from dist_helpers import TIMEOUT_S, rank_env
 
 from orbitrl.config import load_config
-from orbitrl.dist import launch
-from orbitrl.dist.env import Dist, choose_backend, init_distributed
-from orbitrl.dist.metrics import reduce_row
+import launch
+from orbitrl.distributed.env import Dist, choose_backend, init_distributed
+from orbitrl.distributed.metrics import reduce_row
 from orbitrl.errors import OrbitError
 
 CHECKS = Path(__file__).with_name("rank_checks.py")

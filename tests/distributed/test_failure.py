@@ -10,7 +10,7 @@ import pytest
 
 from dist_helpers import TIMEOUT_S, rank_env, train, train_args
 
-from orbitrl.dist import launch
+import launch
 
 
 @pytest.mark.parametrize("sig,timeout", [(signal.SIGKILL, 20), (signal.SIGSTOP, 5)])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from orbitrl.dist.env import Dist
+from orbitrl.distributed.env import Dist
 
 SUM_KEYS = frozenset({"groups_kept", "dropped_groups", "watchdog", "tokens_per_s"})
 

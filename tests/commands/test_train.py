@@ -157,3 +157,36 @@ def test_log_every_writes_a_metrics_row_every_n_steps(tmp_path):
                  "--set", "log.progress=false", "--set", "checkpoint.every=0"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 3, 4]
+
+
+def test_eval_of_a_run_is_the_runs_own_held_out_evaluation(run_dir, capsys):
+    """`orbitrl eval --run` goes through the trainer's evaluation path: the run's frozen-base
+    format, prompt encoding, reward and max tokens, so it reproduces the summary's number."""
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert main(["eval", "--run", str(run_dir)]) == 0
+    assert f"accuracy {s['heldout_accuracy_after']:.4f}" in capsys.readouterr().out
+
+
+def test_eval_of_a_run_encodes_prompts_as_the_run_did(run_dir, tmp_path, monkeypatch):
+    """A run trained under a chat template is evaluated under it (the eval command once
+    encoded raw prompts whatever training had done)."""
+    import shutil
+
+    import yaml
+
+    from orbitrl.model import tokenizer
+
+    seen = []
+    real = tokenizer.encode_prompt
+    monkeypatch.setattr(tokenizer, "encode_prompt",
+                        lambda tok, text, chat=False: seen.append(chat) or real(tok, text, chat))
+    assert main(["eval", "--run", str(run_dir), "--limit", "4"]) == 0
+    assert seen == [False] * 4
+    run = tmp_path / "run"
+    shutil.copytree(run_dir / "checkpoints" / "final", run / "checkpoints" / "final")
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg["data"]["chat_template"] = True
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    seen.clear()
+    assert main(["eval", "--run", str(run), "--limit", "4"]) == 0
+    assert seen == [True] * 4

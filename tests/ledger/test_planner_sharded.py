@@ -9,7 +9,8 @@ import math
 import pytest
 
 from orbitrl.config import load_config
-from orbitrl.ledger.memory import largest_tensor_params, runtime_prediction
+from orbitrl.ledger.memory import largest_tensor_params
+from orbitrl.ledger.runtime import runtime_prediction
 from orbitrl.ledger.models import from_config
 
 HF = dict(model_type="llama", vocab_size=128, hidden_size=512, intermediate_size=1536,

@@ -22,7 +22,6 @@ rows). Random-number states are rank 0's.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import threading
 from pathlib import Path
@@ -30,98 +29,11 @@ from pathlib import Path
 import torch
 
 from orbitrl.errors import OrbitError
+from orbitrl.rl.checkpoint.sharded import capture_sharded, restore_sharded, \
+    restore_whole_into_shards
+from orbitrl.rl.checkpoint.whole import capture, restore
 
-
-def _cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
-
-
-def scalar_state(tr, extra: dict) -> dict:
-    """What every checkpoint format holds besides the policy's tensors, optimizer and
-    anchors: step counters, data position, guard, KL controller, RNG states, the critic."""
-    # overlapped, the producer has drawn prompts ahead: keep the position as of the steps
-    # trained
-    data_pos, order = tr._data_trained or (tr.data_pos, tr.order)
-    state = {
-        "step_idx": tr.step_idx,
-        "iteration": tr.iteration,
-        "data_pos": data_pos,
-        "order": list(order),
-        "fused_applied": tr._fused_applied,
-        "fused_held": tr._fused_held,
-        "guard": tr.guard.state_dict(),
-        "kl_coef": tr.kl_ctl.value,
-        "rng_python": random.getstate(),
-        "rng_torch": torch.get_rng_state(),
-        "rng_engine": tr.engine.rng.get_state(),
-        "extra": extra,
-    }
-    if tr.critic is not None:
-        state["critic"] = tr.critic.state_dict()
-        state["critic_opt"] = tr.critic_opt.state_dict()
-    if torch.cuda.is_available():
-        state["rng_cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_scalars(tr, state: dict):
-    """The inverse of :func:`scalar_state`."""
-    tr._fused_applied = state["fused_applied"]
-    tr._fused_held = state.get("fused_held", 0)
-    tr.step_idx, tr.data_pos, tr.order = state["step_idx"], state["data_pos"], state["order"]
-    tr.iteration = state["iteration"]
-    tr.guard.load_state_dict(state["guard"])
-    tr.kl_ctl.value = state["kl_coef"]
-    random.setstate(state["rng_python"])
-    torch.set_rng_state(state["rng_torch"])
-    tr.engine.rng.set_state(state["rng_engine"])
-    if "rng_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
-    if tr.critic is not None:
-        tr.critic.load_state_dict(state["critic"])
-        tr.critic_opt.load_state_dict(state["critic_opt"])
-
-
-def capture(tr, extra: dict) -> dict:
-    """Everything needed to continue the run bit for bit, copied to host memory."""
-    state = {
-        **scalar_state(tr, extra),
-        "trainable": [p.detach() for p in tr.policy.trainable],
-        "optimizer": tr.opt.state_dict(),
-        "anchors": tr.anchors.state_dict(),
-    }
-    if tr.overlap is not None:  # the adapter snapshots the next rollouts sample from
-        from orbitrl.model.lora import lora_modules
-
-        mods = list(lora_modules(tr.model).values())
-        state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
-                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
-    return _cpu(state)
-
-
-def restore(tr, state: dict):
-    with torch.no_grad():
-        for p, s in zip(tr.policy.trainable, state["trainable"]):
-            p.copy_(s.to(p.device))
-    tr.opt.load_state_dict(state["optimizer"])
-    restore_scalars(tr, state)
-    tr.anchors.load_state_dict(state["anchors"])
-    if tr.snapshot is not None:
-        tr.snapshot.save()
-    if state.get("overlap_snapshots"):
-        from orbitrl.model.lora import lora_modules
-
-        mods = list(lora_modules(tr.model).values())
-        dev = tr.policy.trainable[0].device
-        tr._resume_snapshots = {k: (v, {id(m): tuple(t.to(dev) for t in ab)
-                                        for m, ab in zip(mods, views)})
-                                for k, (v, views) in state["overlap_snapshots"].items()}
+__all__ = ["Checkpointer", "capture", "restore", "resume_from"]
 
 
 class Checkpointer:
@@ -167,8 +79,7 @@ class Checkpointer:
 
     def _save_sharded(self, tr, extra: dict):
         """All ranks write their shards at once, then rank 0 publishes the directory."""
-        from orbitrl.dist import checkpoint as dcp
-        from orbitrl.rl.checkpoint_sharded import capture_sharded
+        from orbitrl.distributed import checkpoint as dcp
 
         d = self.dist
         step = tr.iteration
@@ -235,12 +146,8 @@ def resume_from(tr, path: Path) -> dict:
     if (path / "state.pt").exists():
         state = Checkpointer.load(path)
         if tr.dist.enabled:
-            from orbitrl.rl.checkpoint_sharded import restore_whole_into_shards
-
             restore_whole_into_shards(tr, state)
         else:
             restore(tr, state)
         return state
-    from orbitrl.rl.checkpoint_sharded import restore_sharded
-
     return restore_sharded(tr, path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from orbitrl.dist.env import Dist
+from orbitrl.distributed.env import Dist
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from orbitrl.dist.env import is_dtensor, local as local_of
+from orbitrl.model.dtensor import is_dtensor, local as local_of
 from orbitrl.errors import OrbitError
 
 

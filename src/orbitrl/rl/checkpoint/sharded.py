@@ -1,8 +1,8 @@
-"""The run's state as a sharded checkpoint (torchrun): what ``rl/checkpoint.py`` writes and
-reads when ranks hold shards.
+"""The sharded format (torchrun): what the checkpoint package writes and reads when ranks
+hold shards.
 
 Tensors (trainable parameters, optimizer state, the adapter anchor) go through
-``orbitrl.dist.checkpoint`` keyed by parameter name; everything else goes to rank 0's
+``orbitrl.distributed.checkpoint`` keyed by parameter name; everything else goes to rank 0's
 ``meta.pt``. Restoring fills this run's layout, whatever world size wrote the checkpoint;
 a one-process ``state.pt`` restores into shards by keeping each rank's rows.
 """
@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from orbitrl.errors import OrbitError
-from orbitrl.rl.checkpoint import _cpu, restore_scalars, scalar_state
+from orbitrl.model.dtensor import is_dtensor, local
+from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
 
 
 def _trainable_names(tr) -> list[str]:
-    from orbitrl.dist.fsdp import reshard
+    from orbitrl.distributed.fsdp import reshard
 
     reshard(tr.model)  # the registered parameters are the sharded ones
     ids = {id(p): n for n, p in tr.model.named_parameters(remove_duplicate=False)}
@@ -27,7 +28,6 @@ def _trainable_names(tr) -> list[str]:
 
 def _split(opt, key: str, p, shape=None) -> bool:
     """Whether optimizer state ``key`` of parameter ``p`` is held split by rows as ``p``."""
-    from orbitrl.dist.checkpoint import is_dtensor
     from orbitrl.train.optim import is_fused
 
     if not is_dtensor(p):
@@ -39,7 +39,7 @@ def _split(opt, key: str, p, shape=None) -> bool:
 
 def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     """(tensors for DCP keyed by name, everything else for rank 0's ``meta.pt``)."""
-    from orbitrl.dist.checkpoint import dim0_shard, is_dtensor
+    from orbitrl.distributed.checkpoint import dim0_shard
 
     names = _trainable_names(tr)
     tensors, scalars = {}, {}
@@ -58,7 +58,7 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     osd = tr.opt.state_dict()
     anchors = tr.anchors.state_dict()
     meta = {
-        **_cpu(scalar_state(tr, extra)),
+        **to_cpu(scalar_state(tr, extra)),
         "format": "sharded", "world": tr.dist.world,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in osd["param_groups"]],
@@ -71,8 +71,7 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
 
 def restore_whole_into_shards(tr, state: dict):
     """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
-    from orbitrl.dist.checkpoint import local_rows, shard_like
-    from orbitrl.dist.env import is_dtensor, local
+    from orbitrl.distributed.checkpoint import local_rows, shard_like
 
     params = tr.policy.trainable
     with torch.no_grad():
@@ -100,7 +99,7 @@ def restore_whole_into_shards(tr, state: dict):
 
 def restore_sharded(tr, path: Path) -> dict:
     """A DCP checkpoint into this run's layout (one process, or any number of ranks)."""
-    from orbitrl.dist import checkpoint as dcp
+    from orbitrl.distributed import checkpoint as dcp
     from orbitrl.train.optim import is_fused
 
     try:
@@ -134,16 +133,13 @@ def restore_sharded(tr, path: Path) -> dict:
         for key, t in targets.items():
             if key.startswith(f"optim/{n}/") and key.count("/") == n.count("/") + 2:
                 k = key.rsplit("/", 1)[1]
-                st[k] = t.to_local() if fused and dcp.is_dtensor(t) else t
+                st[k] = t.to_local() if fused and is_dtensor(t) else t
         if st:
             tr.opt.state[p] = st
     for g, sg in zip(tr.opt.param_groups, meta["param_groups"]):
         g.update(sg)
     if meta["fused"] is not None:
-        from orbitrl.train.optim import FusedStats
-
-        tr.opt.stats = FusedStats(**meta["fused"]["stats"])
-        tr.opt._prev_norm = meta["fused"]["prev_norm"]
+        tr.opt.load_fused_state(meta["fused"])
     anchors = dict(meta["anchors"])
     anchors["snapshot"] = None if meta["anchor_count"] is None else \
         [targets[f"anchor/{i}"] for i in range(meta["anchor_count"])]

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as td
 
-from orbitrl.dist.env import Dist
+from orbitrl.distributed.env import Dist
 
 
 def _model(seed=0):
@@ -38,7 +38,7 @@ def check_fused_optimizers(d: Dist):
     normalization with its per-tensor spike check) on FSDP2 shards (each rank half the
     batch, gradients summed) against the same optimizer on the whole model with the whole
     batch, 3 steps."""
-    from orbitrl.dist.fsdp import shard_model
+    from orbitrl.distributed.fsdp import shard_model
     from orbitrl.train.optim import build_optimizer
 
     for name, lr, clip in (("sgd", 0.5, "global"), ("adalomo", 1e-2, "global"),
@@ -78,7 +78,7 @@ def check_fused_optimizers(d: Dist):
 def check_lockstep(d: Dist):
     """Ranks running different numbers of forwards (3 and 1) finish together, with the
     outputs of the unsharded model."""
-    from orbitrl.dist.fsdp import lockstep, shard_model
+    from orbitrl.distributed.fsdp import lockstep, shard_model
 
     ref, sh = _model(), _model()
     shard_model(sh, d)
@@ -95,7 +95,7 @@ def check_lockstep(d: Dist):
 def check_global_batch(d: Dist):
     """Whitening over both ranks' rows (uneven counts and lengths) equals whitening the
     whole batch at once."""
-    from orbitrl.dist.batch import on_global_batch
+    from orbitrl.distributed.batch import on_global_batch
     from orbitrl.rl.advantages import whiten
 
     g = torch.Generator().manual_seed(3)
@@ -111,7 +111,7 @@ def check_global_batch(d: Dist):
 
 def check_empty_rank(d: Dist):
     """A rank left with no rows joins the whitening of the others' rows."""
-    from orbitrl.dist.batch import join_empty, on_global_batch
+    from orbitrl.distributed.batch import join_empty, on_global_batch
     from orbitrl.rl.advantages import whiten
 
     g = torch.Generator().manual_seed(4)
@@ -125,7 +125,7 @@ def check_empty_rank(d: Dist):
 
 
 def check_metrics(d: Dist):
-    from orbitrl.dist.metrics import reduce_row
+    from orbitrl.distributed.metrics import reduce_row
 
     row = {"step": 3, "reward_mean": [0.5, 1.0][d.rank], "groups_kept": [1, 3][d.rank],
            "time_train_s": [1.0, 2.0][d.rank], "mem_train_measured_bytes": [10, 20][d.rank],

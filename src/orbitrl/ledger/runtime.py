@@ -1,0 +1,303 @@
+"""One orbitrl run as the ledger sees it: the one translation from a ``Config`` to the
+ledger's inputs (``RunSpec.from_config``), and what the runtime asks of the ledger with it:
+the per-phase prediction written beside the measured peak (:func:`runtime_prediction`) and
+the KV pool the engine allocates from the memory training leaves (:func:`kv_pool_for_run`).
+
+The planner (``plan.py``) prices hypothetical clusters from the same ``bill.phase_terms``;
+this module adds what only a real orbitrl process holds (its KV pool resident in every
+phase, the fused update's workspace per tensor, dequantization workspaces, tiers, FSDP2's
+per-rank layout).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from orbitrl.ledger.bill import RoleOptions, phase_terms
+from orbitrl.ledger.kv import blocks_for_tokens
+from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
+                                   largest_projection_params, largest_tensor_params,
+                                   projection_params)
+from orbitrl.ledger.models import ModelShape, from_config
+
+
+def engine_kv_dtype(kv_dtype: str) -> str | None:
+    """``rollout.kv_dtype`` (or ``--kv-dtype``) as the engine and the ledger take it: "fp8",
+    or None for the model's own dtype."""
+    return "fp8" if kv_dtype == "fp8" else None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run's strategy, this rank's workload and its layout, as the ledger prices them.
+
+    ``compute``: the dtype weights and activations compute in; ``optimizer``: the fused
+    update's kind (read in full mode); ``tiers``: layers prefetched with ``train.tiers`` (0:
+    resident); ``pulled``: the full-mode reference copied in layer by layer; ``devices``:
+    ranks the weights are sharded over; ``kv_dtype``: the engine's KV dtype (None: the
+    model's); ``dequant_cache``: bytes the frozen projections may take kept dequantized
+    (``model.dequant_cache_mb``)."""
+    strategy: Strategy
+    workload: Workload
+    roles: RoleOptions
+    compute: str
+    optimizer: str
+    kv_dtype: str | None
+    tiers: int
+    pulled: bool
+    devices: int
+    device: str
+    dequant_cache: int = 0
+
+    @classmethod
+    def from_config(cls, cfg, prompt_len: int, devices: int = 1, device: str = "cpu",
+                    recompute: bool = False) -> "RunSpec":
+        """Strategy from ``train.mode`` / ``train.optimizer`` / ``model.base_dtype`` /
+        ``lora.rank``, weights and activations in ``model.dtype``, the workload from
+        ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the longest prompt of
+        the task, in tokens; this rank's share of the samples), tiers and the reference's
+        placement as ``rl/policy.py`` sets them."""
+        t, r = cfg.train, cfg.rollout
+        recompute = recompute or t.recompute or t.tiers > 0  # what rl/policy.py sets
+        compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
+        opt = t.optimizer if t.optimizer != "auto" else "adalomo"  # (read in full mode only)
+        if t.mode == "adapter":
+            base = {"fp32": compute, "bf16": "bf16"}.get(cfg.model.base_dtype,
+                                                          cfg.model.base_dtype)
+            strat = Strategy("adapter", base_dtype=base, adapter_rank=cfg.lora.rank,
+                             dense_dtype=compute)
+        else:
+            strat = Strategy("adamw" if opt == "adamw" else "stateless", weight_dtype=compute,
+                             grad_dtype=compute, dense_dtype=compute)
+        kv_dtype = engine_kv_dtype(r.kv_dtype)
+        seq_len = prompt_len + r.max_tokens
+        n = max(1, int(devices))
+        samples = math.ceil(r.n * r.prompts_per_step / n)  # this rank's share of the step
+        work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
+                        micro_batch=max(1, min(samples, t.micro_batch_tokens // seq_len)),
+                        samples_per_step=samples, block_size=r.block_size,
+                        kv_dtype=kv_dtype or compute, recompute=recompute,
+                        act_bytes=int(PARAM_BYTES[compute]))
+        tiers = t.tiers if n == 1 and t.mode == "full" else 0
+        pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
+        roles = RoleOptions(reference="host" if t.mode == "full" else "none",
+                            offload=2 if tiers else 0)
+        return cls(strat, work, roles, compute, opt, kv_dtype, tiers, pulled, n, device,
+                   cfg.model.dequant_cache_mb << 20)
+
+
+def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
+                       device: str = "cpu", recompute: bool = False, devices: int = 1) -> dict:
+    """The ledger's per-phase peak bytes for one orbitrl run (``orbitrl.config.Config``) on
+    one device (one rank of ``devices``), its KV pool as the engine allocated it.
+
+    On a CPU device the host tier is the same memory, so host terms (the full-parameter
+    mode's int8 reference) are added to every phase. ``devices > 1``: one rank of a
+    torchrun run, see :func:`sharded_runtime_terms`.
+
+    Tiers (``rl/policy.py``), on one process: the full-mode reference on a CUDA device, or
+    any reference with ``train.tiers``, holds its embeddings, final norm and head on the
+    device and pulls its int8 layers one at a time with ``k`` prefetched (``train.tiers``
+    or 2): ``1 + k`` layers in scoring. ``train.tiers: k`` keeps the policy's layers in
+    host memory (the ledger's weight offload) with ``1 + k`` layers on the device in
+    generation and scoring; in training ``k`` while the head updates, ``2 + k`` during a
+    layer's backward (one whose updates are still landing); tiers imply recompute.
+
+    Returns:
+        ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
+    """
+    spec = RunSpec.from_config(cfg, prompt_len, devices, device, recompute)
+    shape = from_config(hf_config)
+    terms = phase_terms(shape, spec.strategy, spec.workload, kv_blocks=kv_blocks,
+                        roles=spec.roles, with_host=True,
+                        prefetch_depth=(spec.tiers or 2) if spec.pulled else 0)
+    host = terms.pop("host")
+    _runtime_terms(terms, host, shape, spec)
+    if spec.devices > 1:
+        sharded_runtime_terms(terms, shape, spec.strategy, spec.devices,
+                              PARAM_BYTES[spec.compute],
+                              base_sharded=cfg.train.mode == "full"
+                              or cfg.model.base_dtype == "fp32",
+                              prefetch_depth=cfg.dist.prefetch_layers,
+                              overlap=device == "cuda",
+                              copies=update_copies(spec.optimizer),
+                              rollout_gathered=cfg.dist.rollout_weights == "gathered")
+    if device != "cuda":
+        for ph in terms.values():
+            ph.update({f"host:{k}": b for k, b in host.items()})
+    out = {phase: sum(tm.values()) for phase, tm in terms.items()}
+    out["peak"] = max(out.values())
+    out["terms"] = terms
+    return out
+
+
+def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
+    """What one orbitrl process holds beyond the planner's terms, in place: tiers, the
+    pulled reference's fixed weights, the resident KV pool, the fused update's workspace,
+    dequantization workspaces."""
+    strat, tiers, opt, compute = spec.strategy, spec.tiers, spec.optimizer, spec.compute
+    if tiers:
+        # training's peak is the larger of two moments: the head's fused update (the largest
+        # workspace, below) while the last k layers are still hot from the forward, and a
+        # layer's backward (2 + k layers hot, a projection-sized workspace)
+        lw = shape.gathered_layer_params * strat.bytes_per_param()
+        ws = update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
+        ws_layer = update_copies(opt) * largest_projection_params(shape) \
+            * PARAM_BYTES[strat.grad_dtype]
+        terms["train"]["comm_buffers:gather"] = int(
+            max(tiers * lw + ws, (tiers + 2) * lw + ws_layer) - ws)
+    if spec.pulled and spec.device == "cuda":  # the non-layer weights moved to the device
+        fixed = int((shape.total_params - shape.num_layers * shape.layer_params) \
+            * PARAM_BYTES[compute])
+        host["reference:weights"] -= fixed
+        for ph in terms.values():
+            ph["reference:fixed"] = fixed
+            if tiers:
+                ph["actor:fixed"] = fixed
+        if tiers:
+            host["actor:weights"] -= fixed
+    # orbitrl's engine allocates its KV pool once and keeps it: resident in every phase
+    kv = terms["rollout"]["rollout_kv:blocks"]
+    terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv
+    if strat.kind == "stateless":
+        # one process, the update fused into backward per parameter (not per gathered
+        # layer): the largest trained tensor's gradient plus the update's temporaries of its
+        # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy and then g^2 or
+        # the update u, one at a time)
+        terms["train"].pop("actor:layer_grad", None)
+        terms["train"]["actor:update_workspace"] = int(
+            update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
+    # a frozen projection is dequantized to the compute dtype per call (forward, and again in
+    # backward): the workspace of the largest projection is live on top of everything else,
+    # unless all of them fit model.dequant_cache_mb in the compute dtype: then each is kept
+    # dequantized after its first use (model.quant.cache_dequantized), in every phase
+    proj = largest_projection_params(shape)
+    kept = projection_params(shape) * PARAM_BYTES[compute]
+    if strat.kind == "adapter" and strat.base_dtype != compute and kept <= spec.dequant_cache:
+        for ph in terms.values():
+            ph["weights:dequant_cache"] = int(kept)
+    elif strat.kind == "adapter" and strat.base_dtype != compute:
+        for ph in terms.values():
+            ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
+    elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
+        terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
+
+
+def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
+                    available: int, resident: int, device: str = "cpu",
+                    devices: int = 1) -> dict:
+    """Size the engine's KV pool from the memory training leaves (``rollout.kv_budget_mb: 0``).
+
+    ``available``: bytes free now; ``resident``: bytes of the run already loaded (weights,
+    reference), which the prediction counts too. The pool gets what is left after training's
+    predicted peak without a pool and ``rollout.min_available_mb``, capped at what one
+    step's rollout can use (every sample at full length, no prefix sharing) and floored at
+    one GRPO group at full length (below that a step cannot run: an error).
+
+    Returns ``{"blocks", "cap", "floor", "train_need", "left"}`` (bytes and block counts).
+    """
+    from orbitrl.errors import OrbitError
+
+    r = cfg.rollout
+    pred = runtime_prediction(cfg, hf_config, prompt_len, kv_blocks=0, device=device,
+                              devices=devices)
+    need = pred["peak"]
+    left = available + resident - int(r.min_available_mb * 2**20) - need
+    per_seq = blocks_for_tokens(prompt_len + r.max_tokens, r.block_size)
+    cap = r.prompts_per_step * r.n * per_seq
+    floor = r.n * per_seq
+    blocks = min(cap, max(0, left) // block_bytes)
+    if blocks < floor:
+        raise OrbitError(
+            f"rollout.kv_budget_mb: 0 (auto) leaves {max(0, left) / 2**20:.0f} MiB for the KV "
+            f"pool after training's predicted {need / 2**20:.0f} MiB and rollout.min_available_mb "
+            f"{r.min_available_mb:.0f}; one group of {r.n} samples needs "
+            f"{floor * block_bytes / 2**20:.1f} MiB (lower rollout.min_available_mb, "
+            "rollout.n or rollout.max_tokens)")
+    return {"blocks": int(blocks), "cap": int(cap), "floor": int(floor), "train_need": int(need),
+            "left": int(left)}
+
+
+def update_copies(optimizer: str) -> int:
+    """Tensors the size of the one being updated, alive at once inside a fused update: its
+    gradient plus one clipped fp32 copy (SGD), plus g^2 or the update u (AdaLomo)."""
+    return 3 if optimizer == "adalomo" else 2
+
+
+def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,
+                          dense_bytes: float, base_sharded: bool, prefetch_depth: int = 1,
+                          overlap: bool = False, copies: int = 2,
+                          rollout_gathered: bool = False) -> dict:
+    """Turn one process's runtime terms into one rank's of ``n`` under orbitrl's FSDP2
+    layout (``orbitrl.distributed.fsdp``), in place; returns ``terms``.
+
+    - ``actor:weights``: every *parameter* is split over the ranks: the whole model in full
+      mode; in adapter mode the adapters, embeddings and norms, and the frozen projections
+      only when they are plain parameters (``base_sharded``: an fp32 base); a bf16 or
+      quantized base lives in buffers and stays whole on every rank.
+    - ``comm_buffers:gather``: ``prefetch_depth + 1`` decoder layers' sharded parameters
+      gathered whole at once (the computing layer and the prefetched one), in every phase
+      (generation and scoring gather per layer too, in lockstep).
+    - ``comm_buffers:gather_staging``: the all-gather in flight: FSDP2 copies this rank's
+      shard of the layer into an input buffer (``1/n`` of a layer) and gathers into one
+      flat output buffer (a whole layer) before copying it out into the parameters.
+    - ``comm_buffers:root``: the root group (embeddings, head, final norm) gathered whole
+      from a phase's first forward to its end.
+    - ``actor:layer_grad`` (training): a layer's whole gradient plus the reduce-scatter's
+      input copy of it. The reduce-scatter runs after the layer is resharded; on a backend
+      whose collectives run one at a time (gloo on the host, ``overlap`` False) it never
+      coexists with an all-gather in flight, so only what it adds beyond the gather's
+      moment, ``prefetch_depth`` gathered layers plus the two gradient copies, is counted;
+      with ``overlap`` (NCCL streams) all of it is.
+    - stateless full mode, ``actor:update_workspace``: the fused update's temporaries
+      (``copies``) on this rank's shard of the largest tensor.
+    - ``rollout_gathered`` (``dist.rollout_weights: gathered``): generation holds every
+      sharded parameter whole, gathered one layer at a time at the phase's start.
+    - AdamW moments and persistent gradients: split over the ranks.
+    The KV pool, activations (already of this rank's share of samples) and the host-resident
+    int8 reference (replicated) are unchanged.
+    """
+    root = shape.embed_params + shape.hidden
+    if strategy.kind == "adapter":
+        a = shape.adapter_params(strategy.adapter_rank)
+        proj = projection_params(shape)
+        proj_b = proj * strategy.bytes_per_param()
+        dense = (shape.total_params - proj) * dense_bytes
+        per_layer = (a / shape.num_layers) * dense_bytes + 2 * shape.hidden * dense_bytes
+        if base_sharded:
+            whole = proj_b + dense + 2 * a
+            weights = math.ceil(whole / n)
+            per_layer += (shape.layer_params - 2 * shape.hidden) * dense_bytes
+        else:
+            whole = dense + 2 * a
+            weights = int(proj_b) + math.ceil(whole / n)
+    else:
+        whole = shape.total_params * strategy.bytes_per_param()
+        weights = math.ceil(whole / n)
+        per_layer = shape.gathered_layer_params * strategy.bytes_per_param()
+    gb = PARAM_BYTES[strategy.grad_dtype]
+    staging = int(per_layer * (1 + 1 / n))
+    for ph in terms.values():
+        if "actor:weights" in ph:
+            ph["actor:weights"] = weights
+        if "actor:optimizer" in ph:
+            ph["actor:optimizer"] = math.ceil(ph["actor:optimizer"] / n)
+        ph["comm_buffers:gather"] = int((prefetch_depth + 1) * per_layer)
+        ph["comm_buffers:gather_staging"] = staging
+        ph["comm_buffers:root"] = int(root * dense_bytes)
+    if rollout_gathered:
+        terms["rollout"]["comm_buffers:gather"] = int(whole)  # root included
+        terms["rollout"]["comm_buffers:root"] = 0
+    train = terms["train"]
+    if "actor:grads" in train:
+        train["actor:grads"] = math.ceil(train["actor:grads"] / n)
+    if strategy.kind == "stateless":
+        grads = int(2 * max(shape.gathered_layer_params, root) * gb)
+        if not overlap:  # beyond the all-gather moment (prefetch + 1 layers + staging)
+            grads = max(0, int(prefetch_depth * per_layer) + grads
+                        - train["comm_buffers:gather"] - staging)
+        train["actor:layer_grad"] = grads
+        train["actor:update_workspace"] = int(
+            copies * math.ceil(largest_tensor_params(shape) / n) * gb)
+    return terms

@@ -1,0 +1,43 @@
+"""The whole-state format (one process): ``state.pt`` holds every tensor and scalar."""
+
+from __future__ import annotations
+
+import torch
+
+from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
+
+
+def capture(tr, extra: dict) -> dict:
+    """Everything needed to continue the run bit for bit, copied to host memory."""
+    state = {
+        **scalar_state(tr, extra),
+        "trainable": [p.detach() for p in tr.policy.trainable],
+        "optimizer": tr.opt.state_dict(),
+        "anchors": tr.anchors.state_dict(),
+    }
+    if tr.overlap is not None:  # the adapter snapshots the next rollouts sample from
+        from orbitrl.model.lora import lora_modules
+
+        mods = list(lora_modules(tr.model).values())
+        state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
+                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
+    return to_cpu(state)
+
+
+def restore(tr, state: dict):
+    with torch.no_grad():
+        for p, s in zip(tr.policy.trainable, state["trainable"]):
+            p.copy_(s.to(p.device))
+    tr.opt.load_state_dict(state["optimizer"])
+    restore_scalars(tr, state)
+    tr.anchors.load_state_dict(state["anchors"])
+    if tr.snapshot is not None:
+        tr.snapshot.save()
+    if state.get("overlap_snapshots"):
+        from orbitrl.model.lora import lora_modules
+
+        mods = list(lora_modules(tr.model).values())
+        dev = tr.policy.trainable[0].device
+        tr.resume_snapshots = {k: (v, {id(m): tuple(t.to(dev) for t in ab)
+                                        for m, ab in zip(mods, views)})
+                                for k, (v, views) in state["overlap_snapshots"].items()}

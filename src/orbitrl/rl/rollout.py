@@ -1,0 +1,146 @@
+"""Rollout: a step's prompts through the engine into ``Sample``s (the first arrow of the step).
+
+``Rollouts`` owns what sampling needs (the engine and its KV governor, the prompt encoding,
+the data cursor, this rank's share) and is called with everything that differs between the
+training thread and the overlapped producer thread (overlap.py): the sampling seed's index,
+the stop poll and the exception it raises, the timer, whether to put the model in eval mode.
+It calls nothing back in the trainer, so it runs the same on either thread.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from orbitrl.engine import Request, SamplingParams
+from orbitrl.errors import OrbitError
+from orbitrl.rl.types import Rollout, Sample
+
+
+def generate(engine, prompts: list[list[int]], rows: list[dict], params: SamplingParams,
+             version: int, seed: int, deadline_s: float | None = None,
+             first: int = 0) -> list[Sample]:
+    """n samples per prompt from the engine, groups adjacent, in prompt order. Past the
+    watchdog deadline the engine drops unfinished samples; a group left with fewer than n
+    samples is dropped whole (group statistics need all n). ``first``: the global index of
+    ``prompts[0]`` in the step's batch (a rank's share starts there), so a prompt's sampling
+    seed is the same whichever rank draws it."""
+    reqs = [Request(prompt_ids=p, params=SamplingParams(**{**params.__dict__,
+                                                            "seed": seed * 100003 + first + i}))
+            for i, p in enumerate(prompts)]
+    outs = engine.generate(reqs, deadline_s=deadline_s)
+    samples = []
+    for g, (out, p, row) in enumerate(zip(outs, prompts, rows)):
+        if out.error is not None:
+            raise OrbitError(f"rollout request {g}: {out.error}")
+        if len(out.samples) < params.n:
+            continue
+        for c in out.samples:
+            samples.append(Sample(first + g, p, c.token_ids, c.logprobs, c.finish_reason,
+                                  c.text or "", row, version))
+    return samples
+
+
+class Rollouts:
+    """Step rollouts for one run.
+
+    Args:
+        cfg: the run's Config (``rollout.*``, ``data.prompt_field``, ``train.seed``,
+            ``dist.rollout_weights``).
+        engine, governor: the engine and its KV governor (None: a fixed pool).
+        model: the policy (eval mode for sampling on the training thread).
+        encode: prompt text -> token ids, as training encodes it.
+        data: the run's DataCursor.
+        coll: the Collective (this rank's share of the prompts, sharded generation).
+    """
+
+    def __init__(self, cfg, engine, governor, model, encode: Callable, data, coll):
+        self.cfg, self.engine, self.governor, self.model = cfg, engine, governor, model
+        self.encode, self.data, self.coll = encode, data, coll
+
+    def sampling(self, deterministic_greedy: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        if deterministic_greedy:
+            return SamplingParams(n=1, max_tokens=r.max_tokens, temperature=0.0)
+        return SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k)
+
+    def weights(self):
+        """The weights generation runs on: sharded in lockstep or gathered (one process:
+        the model as it is)."""
+        d = self.cfg.dist
+        return self.coll.rollout_weights(self.model, d.rollout_weights,
+                                         d.reshard_after_forward)
+
+    def __call__(self, seed_index: int, version: int, stop: Callable[[], bool],
+                 stop_error: type, timer, eval_mode: bool) -> Rollout:
+        """This rank's samples of the next step's prompts, drawn with policy ``version``.
+
+        Args:
+            seed_index: the step's index in the sampling seed (the policy version on the
+                training thread, the step number in the producer thread).
+            stop: polled before each engine step; True aborts the rollout with ``stop_error``.
+            timer: a PhaseTimer; the rollout's seconds go under ``rollout``.
+            eval_mode: put the model in eval mode first (the producer thread samples an
+                adapter view and never flips modes).
+        """
+        r = self.cfg.rollout
+        P = r.prompts_per_step
+        a, b = self.coll.share(P)
+        rows = self.data.draw(P)[a:b]
+        data_after = self.data.position()
+        self.engine.memory_hook = self._hook(stop, stop_error)
+        try:
+            with timer.phase("rollout"), self.weights():
+                if eval_mode:
+                    self.model.eval()
+                gen0 = self.engine.stats["generated_tokens"]
+                wd0 = self.engine.stats.get("watchdog_events", 0)
+                seed = self.cfg.train.seed * 7919 + seed_index
+                samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
+                                                 for x in rows], rows, self.sampling(),
+                                   version, seed, deadline_s=r.timeout_s or None, first=a)
+                gen_tokens = self.engine.stats["generated_tokens"] - gen0
+        finally:
+            self.engine.memory_hook = self.governor
+        return Rollout(samples=samples, gen_tokens=gen_tokens,
+                       watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
+                       timeline=list(self.engine.timeline), data_after=data_after,
+                       governor=self.governor.state() if self.governor else {})
+
+    def _hook(self, stop, stop_error):
+        """Before each engine step: a stop request aborts the rollout, then the governor."""
+        gov = self.governor
+
+        def hook(engine):
+            if stop():
+                engine.scheduler.abort_all()
+                raise stop_error()
+            if gov is not None:
+                gov(engine)
+        return hook
+
+
+def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: int):
+    """The engine and its KV plan: the pool from ``rollout.kv_budget_mb`` or, at 0, from the
+    memory training's predicted need leaves (``ledger.runtime.kv_pool_for_run``; the plan's
+    ``cap`` bounds the governor's growth). Returns (engine, plan or None)."""
+    from orbitrl.engine import Engine
+    from orbitrl.engine.engine import kv_block_bytes
+    from orbitrl.engine.governor import available_memory
+    from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
+    from orbitrl.observe.memory import tensor_bytes
+
+    r, c = cfg.rollout, model.config
+    kv_dtype = engine_kv_dtype(r.kv_dtype)
+    plan, budget = None, int(r.kv_budget_mb * 2**20)
+    if not budget:
+        bb = kv_block_bytes(model, kv_dtype, r.block_size)
+        plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb, available=available_memory(device),
+                               resident=tensor_bytes(model, reference, device=device),
+                               device=device.type, devices=devices)
+        budget = plan["blocks"] * bb
+    engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
+                    block_size=r.block_size, seed=cfg.train.seed)
+    if plan is not None:
+        engine.max_blocks = plan["cap"]
+    return engine, plan

@@ -1,0 +1,266 @@
+"""Update: from a ``Scored`` batch to the policy's next version (the third arrow of the step).
+
+Epochs x micro-batches of the policy loss (+ the KL term, + PPO's value loss); then, for
+adapters (AdamW), the heartbeat guard before ``opt.step`` and the update's size against the
+last good adapters; for full parameters, the fused stateless step during backward
+(``train/optim.py``), whose own checks veto or stop a spiking update. Every rank runs the
+same micro-batches (``Collective.micro_batches``: a rank out of them runs idle ones), and
+the loss is normalised by the global token (or sample) count, so the summed gradient is the
+one-process gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from orbitrl.config import AlgoSection
+from orbitrl.rl.batch import PackedBatch, score
+from orbitrl.rl.guards import layer_grad_norms
+from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
+from orbitrl.rl.types import Scored, StepAbandoned, Update
+from orbitrl.train.optim import is_fused
+
+
+def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSection,
+               kl_coef: float, temperature: float, denom: float, norm_len: int,
+               critic=None, old_values=None, returns=None, mask=None):
+    """Policy loss (+ KL term, + the critic's value loss for PPO) of one micro-batch;
+    returns (loss, metrics). ``old_logp`` None: the old policy is the one computing this
+    forward (nothing changed the weights since the rollout was scored; see
+    ``Scorer.old_from_update``), so its logprobs are this forward's, detached. ``mask``
+    [B_k, T_k]: the loss mask (default the micro-batch's completion mask)."""
+    msk = mb.mask if mask is None else mask
+    logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True)
+    if old_logp is None:
+        old_logp = logp.detach()
+    loss, m = policy_loss(logp, old_logp, adv, msk, clip_low=algo.clip_low,
+                          clip_high=algo.clip_high,
+                          ratio_level="sequence" if algo.seq_level_ratio else "token",
+                          agg=algo.loss_agg, norm_len=norm_len, denom=denom,
+                          rollout_logp=mb.rollout_logp, tis_cap=algo.tis_cap)
+    if ref_logp is not None and kl_coef > 0 and not algo.kl_in_reward:
+        kl_l, _ = kl_loss(logp, ref_logp, msk, kind=algo.kl_estimator, agg=algo.loss_agg,
+                          norm_len=norm_len, denom=denom)
+        loss = loss + kl_coef * kl_l
+    if critic is not None:
+        values = mb.pad(critic(hidden.detach()))
+        v_loss, vm = value_loss(values, old_values, returns, msk, clip=algo.value_clip,
+                                agg=algo.loss_agg, norm_len=norm_len, denom=denom)
+        loss = loss + algo.vf_coef * v_loss
+        m.update(vm)
+    with torch.no_grad():
+        m["entropy"] = float((ent * msk).sum() / msk.sum().clamp(min=1))
+        if ref_logp is not None:
+            m["kl"] = float((kl_estimate(logp, ref_logp, algo.kl_estimator) * msk).sum()
+                            / msk.sum().clamp(min=1))
+    return loss, m
+
+
+def lr_at(t, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (``train.*``: warmup, then constant or
+    cosine down to ``min_lr``)."""
+    warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+    if t.lr_schedule == "cosine":
+        frac = min(1.0, step / max(1, t.max_steps))
+        return t.min_lr + (t.lr - t.min_lr) * warm * 0.5 * (1 + math.cos(math.pi * frac))
+    return t.lr * warm
+
+
+def mean_metrics(metrics: list[dict]) -> dict:
+    """Micro-batches' metrics into the step's: ``*_max`` the maximum, the rest the mean."""
+    out = {}
+    keys = set().union(*metrics) if metrics else set()
+    for k in keys:
+        vals = [m[k] for m in metrics if k in m and isinstance(m[k], (int, float))]
+        if vals:
+            out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+    return out
+
+
+class Updater:
+    """The policy's (and PPO's critic's) optimizer steps.
+
+    Args:
+        cfg: the run's Config.
+        model, trainable: the policy and its trainable tensors.
+        opt: AdamW (adapters) or a fused stateless optimizer (full parameters).
+        guard: the GradNormGuard; snapshot: the last good adapters (None in full mode).
+        critic, critic_opt: PPO's value head and its optimizer (None otherwise).
+        coll: the Collective.
+    """
+
+    def __init__(self, cfg, model, trainable, opt, guard, snapshot, critic, critic_opt, coll):
+        self.cfg, self.algo, self.model, self.trainable = cfg, cfg.algo, model, trainable
+        self.opt, self.guard, self.snapshot = opt, guard, snapshot
+        self.critic, self.critic_opt, self.coll = critic, critic_opt, coll
+        self.fused = is_fused(opt)
+        # the fused optimizer's cumulative counters as of the last step (each step's share
+        # is the difference)
+        self.fused_applied = self.fused_held = 0
+
+    def state_dict(self) -> dict:
+        return {"fused_applied": self.fused_applied, "fused_held": self.fused_held}
+
+    def load_state_dict(self, sd: dict):
+        self.fused_applied = sd["fused_applied"]
+        self.fused_held = sd.get("fused_held", 0)
+
+    def skip_counts(self) -> dict:
+        """Steps skipped (or, one-pass, stopped) so far: spikes and non-finite gradients, from
+        the heartbeat and from a fused optimizer's own checks."""
+        st = self.opt.stats if self.fused else None
+        return {"skipped_spike": self.guard.skipped_spike,
+                "skipped_nonfinite": self.guard.skipped_nonfinite +
+                (st.skipped + st.partial if st else 0)}
+
+    def __call__(self, scored: Scored, version: int, stop) -> Update:
+        """Train on ``scored`` with policy ``version``; ``stop`` is polled between
+        micro-batches while nothing is applied yet (True: StepAbandoned)."""
+        self.model.train()
+        lr = lr_at(self.cfg.train, version)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        mask = scored.mask
+        denom = float(mask.sum()) if self.algo.loss_agg == "token-mean" else float(mask.shape[0])
+        # global tokens (or samples): the summed gradient over ranks is the one-process one
+        denom = self.coll.all_sum(denom)
+        by_mb: dict = {}  # a fused two-pass step runs the closure twice: keep the last
+        # every rank runs the same number of micro-batches (each is a collective)
+        n_mb = self.coll.micro_batches(len(scored.parts))
+        for epoch in range(self.algo.epochs):
+            for k in range(n_mb):
+                if k >= len(scored.parts):
+                    self._idle_micro_batch()
+                    continue
+                # a stop request leaves before the next micro-batch while nothing is applied
+                # yet (a fused update and the critic's step apply as they go)
+                if not self.fused and (self.critic is None or (k == 0 and epoch == 0)) \
+                        and stop():
+                    raise StepAbandoned()
+                self._micro_batch(scored, k, epoch, version, denom, by_mb)
+        self.model.eval()
+        out = {"lr": lr, **self._apply(list(by_mb.values()))}
+        return Update(applied=out["step_skipped"] == 0, metrics=out)
+
+    def _micro_batch(self, scored: Scored, k: int, epoch: int, version: int, denom: float,
+                     by_mb: dict):
+        """Forward + backward of micro-batch ``k`` (the fused optimizer steps inside)."""
+        algo = self.algo
+        p = scored.parts[k]
+        a = sum(scored.sizes[:k])
+        b = a + scored.sizes[k]
+        T_k = p.mask.shape[1]
+        crit = {}
+        if self.critic is not None:
+            crit = dict(critic=self.critic, old_values=scored.values[a:b, :T_k],
+                        returns=scored.returns[a:b, :T_k])
+
+        def closure():
+            if self.critic is not None:  # a fused two-pass step runs this twice
+                self.critic_opt.zero_grad(set_to_none=True)
+            loss, m = actor_loss(self.model, p, scored.old[k], scored.ref[k],
+                                 scored.adv[a:b, :T_k], algo, scored.kl_coef,
+                                 scored.temperature, denom, self.cfg.rollout.max_tokens,
+                                 mask=scored.mask[a:b, :T_k], **crit)
+            if algo.check and version == 0 and epoch == 0 and k == 0:
+                assert abs(m["ratio_mean"] - 1) < 1e-5, \
+                    f"check: policy ratio at step 0 is {m['ratio_mean']}"
+            loss.backward()
+            by_mb[(epoch, k)] = m | {"loss": float(loss.detach())}
+            return loss
+
+        if self.fused:
+            self.opt.step(closure)
+        else:
+            closure()
+        self._critic_step()
+
+    def _idle_micro_batch(self):
+        """A rank out of micro-batches joins the others' collectives with a zero loss."""
+        if self.critic is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
+        if self.fused:
+            self.opt.step(lambda: self.coll.idle_backward(self.model))
+        else:
+            self.coll.idle_backward(self.model)
+        self._critic_step()
+
+    def _critic_step(self):
+        """The value head's update after a micro-batch (its gradients summed over ranks)."""
+        if self.critic is None:
+            return
+        self.coll.sum_grads(self.critic.parameters())
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
+        self.critic_opt.step()
+        self.critic_opt.zero_grad(set_to_none=True)
+
+    # ---- applying the step -------------------------------------------------------------
+    def _apply(self, metrics: list[dict]) -> dict:
+        """The guarded optimizer step; the step's metrics (every rank's micro-batches)."""
+        metrics = self.coll.gather(metrics)  # every rank aggregates all: the same decisions
+        out, ok = self._apply_fused() if self.fused else self._apply_adamw(metrics)
+        out["step_skipped"] = 0 if ok else 1
+        out.update(self.skip_counts())
+        out.update(mean_metrics(metrics))
+        return out
+
+    def _apply_fused(self) -> tuple[dict, bool]:
+        """The fused optimizer applied (or vetoed, or stopped) the update during backward:
+        read what it did."""
+        st = self.opt.stats
+        norm = st.last_grad_norm
+        applied = st.micro_steps - self.fused_applied
+        self.fused_applied = st.micro_steps
+        ok = applied > 0
+        out = {"grad_norm": norm}
+        size = self.opt.take_update_size()  # reset even when nothing was applied
+        held, self.fused_held = st.held - self.fused_held, st.held
+        if not self.opt.two_pass:  # one pass: tensors a stop left unchanged this step
+            out["update_held"] = held
+        if ok or held:  # a one-pass stop keeps the tensors updated before it
+            out.update(size)
+        if ok and not held:
+            self.guard.accept(norm)  # a one-pass step stopped at a spike stays out of the mean
+        return out, ok
+
+    def _apply_adamw(self, metrics: list[dict]) -> tuple[dict, bool]:
+        """The heartbeat before ``opt.step``: a spike or a non-finite loss leaves the weights
+        and moments as the last good state and drops the gradients."""
+        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        layers = layer_grad_norms(named, reduce=self.coll.all_sum)  # (a no-op on one process)
+        norm = math.sqrt(sum(v * v for v in layers.values()))
+        loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
+        ok = self.guard.ok(norm if loss_ok else float("nan"))
+        out = {"grad_norm": norm}
+        if ok:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.train.max_grad_norm)
+            self.opt.step()
+            self.guard.accept(norm, layers)
+            if self.snapshot is not None:
+                out.update(self.snapshot.update_size(self.coll.all_sum))
+                self.snapshot.save()
+        else:
+            out["spike_layer"] = self.guard.worst_layer(layers)[0]
+        self.opt.zero_grad(set_to_none=True)
+        return out, ok
+
+
+def build_optimizer(t, params, veto):
+    """The policy's optimizer from ``train.*``: AdamW (adapters, by default) or a fused
+    stateless one (full parameters). ``veto(norm) -> bool``: the heartbeat the fused one asks
+    (two passes: between them, nothing applied, so no snapshot of the full weights is
+    needed; one pass, grouped: after each tensor with the norm so far, stopping the update
+    once it passes its limit)."""
+    name = t.optimizer
+    if name == "auto":
+        name = "adamw" if t.mode == "adapter" else "adalomo"
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    from orbitrl.train.optim import build_optimizer as build_fused
+
+    opt = build_fused(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,
+                      max_grad_norm=t.max_grad_norm)
+    opt.veto = veto
+    return opt
