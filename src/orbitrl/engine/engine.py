@@ -218,7 +218,8 @@ class Engine:
         self.stats["seconds"] += time.perf_counter() - t0
         for i, seqs in self._done.items():
             outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
-                                          s.finish_reason)
+                                          s.finish_reason,
+                                          s.routing and s.routing.tensor(len(s)))
                                for s in sorted(seqs, key=lambda s: s.sample)]
         return outs
 

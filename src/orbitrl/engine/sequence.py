@@ -71,6 +71,7 @@ class Completion:
     logprobs: list[float]
     raw_logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    routing: object = None  # mixtures: [S, prompt + completion, k] expert ids (moe.RoutingLog)
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.swap: tuple | None = None  # host copy of KV while swapped out
+        self.routing = None  # mixtures: experts chosen per computed token (moe.RoutingLog)
         self.generator = self._generator(params.seed, sample)
 
     @staticmethod
@@ -131,6 +133,7 @@ class Sequence:
         s.sample, s.pending_fork = sample, 0
         s.token_ids, s.block_table = list(self.token_ids), list(self.block_table)
         s.logprobs, s.raw_logprobs = list(self.logprobs), list(self.raw_logprobs)
+        s.routing = self.routing.copy() if self.routing is not None else None
         s.generator = self._generator(self.params.seed, sample)
         return s
 

@@ -10,6 +10,7 @@ import torch
 from orbitrl.config import AlgoSection
 from orbitrl.engine import Request, SamplingParams
 from orbitrl.errors import OrbitError
+from orbitrl.model.moe import replay_routing, router_losses
 from orbitrl.rl import advantages as A
 from orbitrl.rl.batch import PackedBatch, score
 from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
@@ -36,7 +37,7 @@ def rollout(engine, prompts: list[list[int]], rows: list[dict], params: Sampling
             continue
         for c in out.samples:
             samples.append(Sample(first + g, p, c.token_ids, c.logprobs, c.finish_reason,
-                                  c.text or "", row, version))
+                                  c.text or "", row, version, routing=c.routing))
     return samples
 
 
@@ -67,7 +68,9 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
     returns (loss, metrics). ``old_logp`` None: the old policy is the one computing this
     forward (nothing changed the weights since the rollout was scored; see
     ``RLTrainer._old_from_update``), so its logprobs are this forward's, detached."""
-    logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True)
+    routing = replay_routing(model, mb.routing, aux=True)  # None for a dense model
+    logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True,
+                              routing=routing)
     if old_logp is None:
         old_logp = logp.detach()
     loss, m = policy_loss(logp, old_logp, adv, mb.mask, clip_low=algo.clip_low,
@@ -79,6 +82,9 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
         kl_l, _ = kl_loss(logp, ref_logp, mb.mask, kind=algo.kl_estimator, agg=algo.loss_agg,
                           norm_len=norm_len, denom=denom)
         loss = loss + kl_coef * kl_l
+    router_loss, router_m = router_losses(model, routing)  # mixtures: load balance, z-loss
+    loss = loss + router_loss
+    m.update(router_m)
     if critic is not None:
         values = mb.pad(critic(hidden.detach()))
         v_loss, vm = value_loss(values, old_values, returns, mb.mask, clip=algo.value_clip,

@@ -29,6 +29,7 @@ from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.guards import GradNormGuard, Snapshot, layer_grad_norms
 from orbitrl.rl.losses import kl_estimate, make_kl_controller
 from orbitrl.rl.policy import build_policy, pick_device
+from orbitrl.rl.routing import attach_routing, replay_check
 from orbitrl.train.optim import is_fused
 from orbitrl.rl.step import actor_loss, compute_advantages, ppo_advantages, rollout
 
@@ -430,6 +431,7 @@ class RLTrainer:
         # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
         # when there are several (with one, it is that micro-batch's)
         parts = [pack([kept[j] for j in g], self.device) for g in mbs]
+        attach_routing(self.model, parts, [[kept[j] for j in g] for g in mbs])  # mixtures
         full = parts[0] if len(parts) == 1 else pack(kept, self.device)
         mask = full.mask.clone()
         if algo.overlong == "filter":
@@ -451,13 +453,14 @@ class RLTrainer:
             if need_ref:
                 with self.anchors.anchored() as ref_model:
                     ref = [score(ref_model, p, T) for p in parts]
-        out = {}
+        # mixtures: the gap routing replay removes, measured without it every N steps
+        out = replay_check(self.model, parts, T, self.step_idx, cfg.moe.replay_check_every)
         if not reuse:  # (the update's policy loss reports the same pair, from its old logprobs)
             # the engine's logprobs against the trainer's recomputation, every sampled token
             mm = torch.cat([(o - p.rollout_logp).abs()[p.mask.bool()]
                             for o, p in zip(old, parts)])
-            out = {"logprob_mismatch_max": float(mm.max()),
-                   "logprob_mismatch_mean": float(mm.mean())}
+            out.update({"logprob_mismatch_max": float(mm.max()),
+                        "logprob_mismatch_mean": float(mm.mean())})
         # per-token KL to the reference with the configured estimator (the reward penalty,
         # kl_in_reward, uses it as is; the step-0 check reads it; neither reuses old logprobs)
         kl_full = _cat_padded([kl_estimate(o, rf, algo.kl_estimator) for o, rf in zip(old, ref)],
