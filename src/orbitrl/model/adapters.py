@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from orbitrl.errors import OrbitError
 from orbitrl.model.lora import apply_lora, candidate_linears, lora_modules, match_targets
-from orbitrl.model.moe import ROUTED_EXPERT
+from orbitrl.model.moe import routed_adapters
 from orbitrl.model.weights import save_pretrained
 
 CONFIG_NAME = "adapter_config.json"
@@ -68,7 +68,7 @@ def save_adapters(model: nn.Module, out_dir: str | Path,
     mods = lora_modules(model)
     if not mods:
         raise OrbitError("save_adapters: the model has no LoRA adapters (call apply_lora)")
-    routed = [n for n in mods if ROUTED_EXPERT.fullmatch(n)]
+    routed = routed_adapters(model)
     if routed:
         raise OrbitError(f"save_adapters: {routed[0]} is a routed expert's adapter; PEFT files "
                          "here cover attention, dense and shared-expert layers only (train with "
