@@ -290,6 +290,30 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
 
+def experts_column_major(model) -> int:
+    """Store the plain fp32 expert projections of a CPU model column-major (``W.T``
+    contiguous), as ``Decoder.head_column_major`` does for the head; returns how many.
+
+    An expert sees few rows per call (a decode step of 16 tokens gives each of 16 experts
+    about 4), and MKL computes ``x @ W.T`` over a row-major ``W`` at a fraction of the
+    bandwidth it reaches with ``W.T`` contiguous: a 16-token forward of a 16-expert layer
+    (512 x 256 experts) took 24 ms row-major against 10 ms column-major (one thread,
+    2 shared cores). Same bytes at rest; gradients keep their own layout."""
+    n = 0
+    with torch.no_grad():
+        for mod in model.modules():
+            if not isinstance(mod, Expert):
+                continue
+            for name in mod.names:
+                lin = getattr(mod, name)
+                w = getattr(lin, "weight", None)
+                if (type(lin) is nn.Linear and w.device.type == "cpu"
+                        and w.dtype == torch.float32 and w.is_contiguous()):
+                    w.data = w.data.t().contiguous().t()
+                    n += 1
+    return n
+
+
 def make_ffn(cfg, layer_idx: int, dense_factory):
     """The feed-forward of layer ``layer_idx``: a SparseMoE when the config says so, else
     ``dense_factory()``. Returns (attribute name, module)."""
