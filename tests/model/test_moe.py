@@ -171,3 +171,31 @@ def test_bad_moe_config_one_line_error(hf_dirs, change, msg):
     with pytest.raises(OrbitError, match=msg) as e:
         ModelConfig.from_hf(hf, "x/config.json")
     assert "\n" not in str(e.value) and "x/config.json" in str(e.value)
+
+
+def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
+    """load_model stacks plain CPU fp32 experts (moe.pack_experts): the grouped-GEMM path
+    gives the loop's result, sees in-place updates, and steps aside when a weight is
+    re-allocated or a gradient is needed."""
+    path, _ = hf_dirs["qwen3_moe"]
+    blk = orbitrl.load_model(path).model.layers[0].mlp
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
+
+    def both():
+        ids, w = moe.route(blk.gate(x), blk.top_k, blk.norm)
+        packed = moe._packed_weights(blk, x)
+        assert packed is not None
+        return (moe.grouped_experts(x, ids, w, blk.experts, packed),
+                moe.grouped_experts(x, ids, w, blk.experts))
+
+    with torch.no_grad():
+        a, b = both()
+        assert (a - b).abs().max().item() < 1e-6
+        for ex in blk.experts:  # as an optimizer step updates them: in place
+            ex.up_proj.weight.mul_(2)
+        a2, b2 = both()
+        assert (a2 - b2).abs().max().item() < 1e-6 and (a2 - a).abs().max().item() > 1e-3
+        w = blk.experts[3].down_proj.weight
+        w.data = w.data.clone()
+        assert moe._packed_weights(blk, x) is None
+    assert moe._packed_weights(blk, x.requires_grad_()) is None

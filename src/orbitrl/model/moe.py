@@ -199,24 +199,30 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    experts: nn.ModuleList) -> torch.Tensor:
+                    experts: nn.ModuleList, packed=None) -> torch.Tensor:
     """sum_j weights[:, j] * experts[ids[:, j]](x), grouped by expert.
 
     x [N, H], ids [N, k], weights [N, k] -> [N, H]. The N * k (token, slot) pairs are sorted
     by expert id once; each active expert computes its contiguous slice in one call (one
     matmul per projection), and the weighted results are summed back per token with one
     ``index_add_`` (in expert order per token, as transformers adds them). One host sync
-    (the per-expert counts) per call.
+    (the per-expert counts) per call. ``packed``: the stacked weights of
+    :func:`pack_experts`, computed in two grouped GEMMs instead of the loop.
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
     token = order // k  # [N * k] token of each sorted slot
-    # split, not slices: the backward of a slice fills a zero tensor the size of ``xs`` per
-    # expert, split's backward concatenates once (a quarter of the layer's backward at 1k tokens)
-    parts = x.index_select(0, token).split(counts)
-    ys = torch.cat([experts[e](p) for e, p in enumerate(parts) if counts[e]]) * weights.reshape(-1).index_select(0, order)[:, None]
+    xs = x.index_select(0, token)
+    if packed is not None:  # stacked weights (pack_experts): two grouped GEMMs
+        ys = _grouped_mm_experts(xs, counts, *packed)
+    else:
+        # split, not slices: a slice's backward fills a zero tensor the size of ``xs`` per
+        # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
+        parts = xs.split(counts)
+        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if counts[e]])
+    ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
 
 
@@ -232,8 +238,18 @@ class Expert(nn.Module):
         setattr(self, down, nn.Linear(width, hidden, bias=False))
 
     def forward(self, x):
-        gate, up, down = (getattr(self, n) for n in self.names)
+        gate, up, down = (_call(getattr(self, n)) for n in self.names)
         return down(F.silu(gate(x)) * up(x))
+
+
+def _call(lin):
+    """A plain ``nn.Linear`` as ``F.linear`` (no module call: an expert runs once per active
+    expert per layer per step, where the call overhead is a visible share of a decode step);
+    any other projection (LoRA, frozen formats) through its module."""
+    if type(lin) is nn.Linear and lin.bias is None:
+        w = lin.weight
+        return lambda x: F.linear(x, w)
+    return lin
 
 
 class Router(nn.Module):
@@ -270,6 +286,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        self.packed = None  # (gate|up [E, H, 2W], down [E, W, H]): see pack_experts
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         shape = x.shape
@@ -284,34 +301,74 @@ class SparseMoE(nn.Module):
                 routing.chosen[self.moe_index] = ids.detach()
             if routing.aux:
                 routing.logits[self.moe_index] = (logits, ids)
-        out = grouped_experts(x, ids, w, self.experts)
+        out = grouped_experts(x, ids, w, self.experts, _packed_weights(self, x))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
 
 
-def experts_column_major(model) -> int:
-    """Store the plain fp32 expert projections of a CPU model column-major (``W.T``
-    contiguous), as ``Decoder.head_column_major`` does for the head; returns how many.
+def pack_experts(model) -> int:
+    """Lay each sparse layer's plain fp32 CPU expert weights out as two stacked buffers,
+    gate|up ``[E, H, 2W]`` and down ``[E, W, H]``, every expert's ``nn.Linear`` weight a
+    (column-major) view into them; returns the number of layers packed.
 
-    An expert sees few rows per call (a decode step of 16 tokens gives each of 16 experts
-    about 4), and MKL computes ``x @ W.T`` over a row-major ``W`` at a fraction of the
-    bandwidth it reaches with ``W.T`` contiguous: a 16-token forward of a 16-expert layer
-    (512 x 256 experts) took 24 ms row-major against 10 ms column-major (one thread,
-    2 shared cores). Same bytes at rest; gradients keep their own layout."""
+    Why: an expert sees few rows per call (a 16-token decode step gives each of 16 experts
+    about 4), where two things cost more than the arithmetic. ``x @ W.T`` over a row-major
+    ``W`` runs at a fraction of MKL's bandwidth (a 16-token forward of a 16-expert layer,
+    512 x 256 experts: 24 ms row-major, 10 ms column-major, one thread, 2 shared cores), and
+    a Python loop over the experts dispatches six ops each. With the buffers, a call without
+    gradients (rollout, scoring) runs two ``torch._grouped_mm`` over all experts. Same bytes
+    at rest (the buffers are the weights); in-place updates keep the views; anything that
+    re-allocates a weight (a move, sharding, a LoRA or frozen-format wrapper) breaks the view,
+    which each call checks, and the loop runs instead. Training with gradients runs the loop
+    (grouped_mm has no CPU backward for an input whose weight needs none)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return 0
     n = 0
     with torch.no_grad():
-        for mod in model.modules():
-            if not isinstance(mod, Expert):
-                continue
-            for name in mod.names:
-                lin = getattr(mod, name)
-                w = getattr(lin, "weight", None)
-                if (type(lin) is nn.Linear and w.device.type == "cpu"
-                        and w.dtype == torch.float32 and w.is_contiguous()):
-                    w.data = w.data.t().contiguous().t()
-                    n += 1
+        for block in model.modules():
+            if isinstance(block, SparseMoE) and _pack(block):
+                n += 1
     return n
+
+
+def _pack(block: "SparseMoE") -> bool:
+    lins = [[getattr(ex, name) for name in ex.names] for ex in block.experts]
+    if not all(type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32 for row in lins for m in row):
+        return False
+    E, (W, H) = len(lins), lins[0][0].weight.shape
+    gu, dn = torch.empty(E, H, 2 * W), torch.empty(E, W, H)
+    for e, (g, u, d) in enumerate(lins):
+        gu[e, :, :W], gu[e, :, W:], dn[e] = g.weight.t(), u.weight.t(), d.weight.t()
+        g.weight.data, u.weight.data = gu[e, :, :W].t(), gu[e, :, W:].t()
+        d.weight.data = dn[e].t()
+    block.packed = (gu, dn)
+    return True
+
+
+def _packed_weights(block: "SparseMoE", x: torch.Tensor):
+    """The stacked buffers when this call may use them (no gradient needed, every expert
+    weight still a view into them), else None."""
+    if block.packed is None or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    gu, dn = block.packed
+    for e, ex in enumerate(block.experts):
+        g, u, d = (getattr(ex, n) for n in ex.names)
+        if (type(g) is not nn.Linear or type(u) is not nn.Linear or type(d) is not nn.Linear
+                or g.weight.requires_grad and torch.is_grad_enabled()
+                or g.weight.data_ptr() != gu[e].data_ptr()
+                or u.weight.data_ptr() != gu[e, 0, gu.shape[2] // 2:].data_ptr()
+                or d.weight.data_ptr() != dn[e].data_ptr()):
+            return None
+    return gu, dn
+
+
+def _grouped_mm_experts(xs: torch.Tensor, counts: list[int], gu, dn) -> torch.Tensor:
+    """All experts over their sorted rows in two grouped GEMMs: xs [S, H] -> [S, H]."""
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(xs, gu, offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, dn, offs=offs)
 
 
 def make_ffn(cfg, layer_idx: int, dense_factory):

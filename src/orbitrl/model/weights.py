@@ -174,10 +174,10 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
     if base_format is not None:
         quant.finish_frozen(model, path)
     model.head_column_major()
-    if cfg.moe is not None:  # few rows per expert per call: see moe.experts_column_major
-        from orbitrl.model.moe import experts_column_major
+    if cfg.moe is not None:  # few rows per expert per call: see moe.pack_experts
+        from orbitrl.model.moe import pack_experts
 
-        experts_column_major(model)
+        pack_experts(model)
     return model.eval()
 
 
