@@ -196,6 +196,8 @@ def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
         a2, b2 = both()
         assert (a2 - b2).abs().max().item() < 1e-6 and (a2 - a).abs().max().item() > 1e-3
         w = blk.experts[3].down_proj.weight
+        assert moe._packed_weights(blk, x.clone().requires_grad_()) is not None  # no grad mode
+    assert moe._packed_weights(blk, x.clone().requires_grad_()) is None  # a backward to come
+    with torch.no_grad():
         w.data = w.data.clone()
-        assert moe._packed_weights(blk, x) is None
-    assert moe._packed_weights(blk, x.requires_grad_()) is None
+        assert moe._packed_weights(blk, x) is None and blk.packed is None

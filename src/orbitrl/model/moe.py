@@ -349,17 +349,21 @@ def _pack(block: "SparseMoE") -> bool:
 
 def _packed_weights(block: "SparseMoE", x: torch.Tensor):
     """The stacked buffers when this call may use them (no gradient needed, every expert
-    weight still a view into them), else None."""
+    weight still a view into them), else None; a weight re-allocated or wrapped (moved,
+    sharded, adapted) drops the buffers for good, freeing them."""
     if block.packed is None or (torch.is_grad_enabled() and x.requires_grad):
         return None
     gu, dn = block.packed
+    half = gu.shape[2] // 2
     for e, ex in enumerate(block.experts):
         g, u, d = (getattr(ex, n) for n in ex.names)
         if (type(g) is not nn.Linear or type(u) is not nn.Linear or type(d) is not nn.Linear
-                or g.weight.requires_grad and torch.is_grad_enabled()
                 or g.weight.data_ptr() != gu[e].data_ptr()
-                or u.weight.data_ptr() != gu[e, 0, gu.shape[2] // 2:].data_ptr()
+                or u.weight.data_ptr() != gu[e, 0, half:].data_ptr()
                 or d.weight.data_ptr() != dn[e].data_ptr()):
+            block.packed = None
+            return None
+        if g.weight.requires_grad and torch.is_grad_enabled():
             return None
     return gu, dn
 
