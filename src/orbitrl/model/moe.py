@@ -286,7 +286,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
-        self.packed = None  # (gate|up [E, H, 2W], down [E, W, H]): see pack_experts
+        self.packed = self._pack_views = None  # see pack_experts
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         shape = x.shape
@@ -344,28 +344,32 @@ def _pack(block: "SparseMoE") -> bool:
         g.weight.data, u.weight.data = gu[e, :, :W].t(), gu[e, :, W:].t()
         d.weight.data = dn[e].t()
     block.packed = (gu, dn)
+    # what each call checks, as plain ints and objects (tensor indexing and module
+    # attribute lookups cost more than a small decode step's arithmetic)
+    block._pack_views = [(ex._modules, name, lin, lin._parameters, lin.weight,
+                          lin.weight.data_ptr())
+                         for ex, row in zip(block.experts, lins)
+                         for name, lin in zip(ex.names, row)]
     return True
 
 
 def _packed_weights(block: "SparseMoE", x: torch.Tensor):
     """The stacked buffers when this call may use them (no gradient needed, every expert
-    weight still a view into them), else None; a weight re-allocated or wrapped (moved,
-    sharded, adapted) drops the buffers for good, freeing them."""
-    if block.packed is None or (torch.is_grad_enabled() and x.requires_grad):
+    weight still the view made by :func:`pack_experts`), else None; a weight re-allocated
+    or replaced, or a projection wrapped (moved, sharded, adapted) drops the buffers for
+    good, freeing them."""
+    if block.packed is None:
         return None
-    gu, dn = block.packed
-    half = gu.shape[2] // 2
-    for e, ex in enumerate(block.experts):
-        g, u, d = (getattr(ex, n) for n in ex.names)
-        if (type(g) is not nn.Linear or type(u) is not nn.Linear or type(d) is not nn.Linear
-                or g.weight.data_ptr() != gu[e].data_ptr()
-                or u.weight.data_ptr() != gu[e, 0, half:].data_ptr()
-                or d.weight.data_ptr() != dn[e].data_ptr()):
-            block.packed = None
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return None
+    for mods, name, lin, params, w, ptr in block._pack_views:
+        if mods[name] is not lin or params["weight"] is not w or w.data_ptr() != ptr:
+            block.packed = block._pack_views = None
             return None
-        if g.weight.requires_grad and torch.is_grad_enabled():
-            return None
-    return gu, dn
+    if grad and block._pack_views[0][4].requires_grad:
+        return None
+    return block.packed
 
 
 def _grouped_mm_experts(xs: torch.Tensor, counts: list[int], gu, dn) -> torch.Tensor:
