@@ -175,29 +175,41 @@ def test_bad_moe_config_one_line_error(hf_dirs, change, msg):
 
 def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
     """load_model stacks plain CPU fp32 experts (moe.pack_experts): the grouped-GEMM path
-    gives the loop's result, sees in-place updates, and steps aside when a weight is
-    re-allocated or a gradient is needed."""
+    gives the loop's outputs and gradients (input and every active expert's weights; none
+    for the others), sees in-place updates, and steps aside for good when a weight is
+    re-allocated."""
     path, _ = hf_dirs["qwen3_moe"]
-    blk = orbitrl.load_model(path).model.layers[0].mlp
-    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
-
-    def both():
-        ids, w = moe.route(blk.gate(x), blk.top_k, blk.norm)
-        packed = moe._packed_weights(blk, x)
-        assert packed is not None
-        return (moe.grouped_experts(x, ids, w, blk.experts, packed),
-                moe.grouped_experts(x, ids, w, blk.experts))
-
+    blk = orbitrl.load_model(path).train().model.layers[0].mlp
+    for p in blk.parameters():
+        p.requires_grad_(True)
+    x0 = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        a, b = both()
-        assert (a - b).abs().max().item() < 1e-6
+        ids, w = moe.route(blk.gate(x0), blk.top_k, blk.norm)
+    ids[:, 0] = ids[:, 0] % 7  # expert 7 may be chosen in slot 1 only; keep one expert idle
+    ids[:, 1:] = torch.where(ids[:, 1:] == 7, 6 - ids[:, :1] % 2, ids[:, 1:])
+    ids[:, 1:] = torch.where(ids[:, 1:] == ids[:, :1], (ids[:, :1] + 1) % 7, ids[:, 1:])
+
+    def run(packed):
+        blk.zero_grad()
+        x = x0.clone().requires_grad_()
+        out = moe.grouped_experts(x, ids, w, blk.experts, packed)
+        (out * torch.linspace(-1, 1, 64)).sum().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in blk.experts.parameters()]
+        return out.detach(), x.grad, grads
+
+    packed = moe._packed_weights(blk)
+    assert packed is not None
+    (a, ga, pa), (b, gb, pb) = run(packed), run(None)
+    assert (a - b).abs().max().item() < 1e-5 and (ga - gb).abs().max().item() < 1e-5
+    for u, v in zip(pa, pb):
+        assert (u is None) == (v is None)
+        assert u is None or (u - v).abs().max().item() < 1e-5
+    assert any(u is None for u in pa)  # the idle expert got no gradient, as in the loop
+    with torch.no_grad():
         for ex in blk.experts:  # as an optimizer step updates them: in place
             ex.up_proj.weight.mul_(2)
-        a2, b2 = both()
-        assert (a2 - b2).abs().max().item() < 1e-6 and (a2 - a).abs().max().item() > 1e-3
-        w = blk.experts[3].down_proj.weight
-        assert moe._packed_weights(blk, x.clone().requires_grad_()) is not None  # no grad mode
-    assert moe._packed_weights(blk, x.clone().requires_grad_()) is None  # a backward to come
-    with torch.no_grad():
-        w.data = w.data.clone()
-        assert moe._packed_weights(blk, x) is None and blk.packed is None
+    (a2, _, _), (b2, _, _) = run(moe._packed_weights(blk)), run(None)
+    assert (a2 - b2).abs().max().item() < 1e-5 and (a2 - a).abs().max().item() > 1e-3
+    wt = blk.experts[3].down_proj.weight
+    wt.data = wt.data.clone()
+    assert moe._packed_weights(blk) is None and blk.packed is None

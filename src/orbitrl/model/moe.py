@@ -206,8 +206,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     by expert id once; each active expert computes its contiguous slice in one call (one
     matmul per projection), and the weighted results are summed back per token with one
     ``index_add_`` (in expert order per token, as transformers adds them). One host sync
-    (the per-expert counts) per call. ``packed``: the stacked weights of
-    :func:`pack_experts`, computed in two grouped GEMMs instead of the loop.
+    (the per-expert counts) per call. ``packed``: the stacked buffers and weights of
+    :func:`pack_experts` (from ``_packed_weights``), computed in grouped GEMMs instead of the
+    per-expert loop.
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -215,8 +216,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
     token = order // k  # [N * k] token of each sorted slot
     xs = x.index_select(0, token)
-    if packed is not None:  # stacked weights (pack_experts): two grouped GEMMs
-        ys = _grouped_mm_experts(xs, counts, *packed)
+    if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
+        (gu, dn), weights_ = packed
+        ys = _PackedExperts.apply(xs, counts, gu, dn, *weights_)
     else:
         # split, not slices: a slice's backward fills a zero tensor the size of ``xs`` per
         # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
@@ -301,7 +303,7 @@ class SparseMoE(nn.Module):
                 routing.chosen[self.moe_index] = ids.detach()
             if routing.aux:
                 routing.logits[self.moe_index] = (logits, ids)
-        out = grouped_experts(x, ids, w, self.experts, _packed_weights(self, x))
+        out = grouped_experts(x, ids, w, self.experts, _packed_weights(self))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
@@ -316,12 +318,13 @@ def pack_experts(model) -> int:
     about 4), where two things cost more than the arithmetic. ``x @ W.T`` over a row-major
     ``W`` runs at a fraction of MKL's bandwidth (a 16-token forward of a 16-expert layer,
     512 x 256 experts: 24 ms row-major, 10 ms column-major, one thread, 2 shared cores), and
-    a Python loop over the experts dispatches six ops each. With the buffers, a call without
-    gradients (rollout, scoring) runs two ``torch._grouped_mm`` over all experts. Same bytes
-    at rest (the buffers are the weights); in-place updates keep the views; anything that
-    re-allocates a weight (a move, sharding, a LoRA or frozen-format wrapper) breaks the view,
-    which each call checks, and the loop runs instead. Training with gradients runs the loop
-    (grouped_mm has no CPU backward for an input whose weight needs none)."""
+    a Python loop over the experts dispatches six ops each (and autograd ten more). With the
+    buffers, a forward runs two ``torch._grouped_mm`` over all experts and a backward three,
+    plus one matmul per projection pair and active expert for the weight gradients
+    (``_PackedExperts``). Same bytes at rest (the buffers are the weights); in-place updates
+    keep the views; anything that re-allocates a weight (a move, sharding, a LoRA or
+    frozen-format wrapper) breaks the view, which each call checks, and the per-expert loop
+    runs instead."""
     if not hasattr(torch, "_grouped_mm"):
         return 0
     n = 0
@@ -353,30 +356,56 @@ def _pack(block: "SparseMoE") -> bool:
     return True
 
 
-def _packed_weights(block: "SparseMoE", x: torch.Tensor):
-    """The stacked buffers when this call may use them (no gradient needed, every expert
-    weight still the view made by :func:`pack_experts`), else None; a weight re-allocated
-    or replaced, or a projection wrapped (moved, sharded, adapted) drops the buffers for
-    good, freeing them."""
+def _packed_weights(block: "SparseMoE"):
+    """The stacked buffers and the expert weights they back (gate, up, down per expert)
+    while every weight is still the view :func:`pack_experts` made, else None; a weight
+    re-allocated or replaced, or a projection wrapped (moved, sharded, adapted) drops the
+    buffers for good, freeing them."""
     if block.packed is None:
-        return None
-    grad = torch.is_grad_enabled()
-    if grad and x.requires_grad:
         return None
     for mods, name, lin, params, w, ptr in block._pack_views:
         if mods[name] is not lin or params["weight"] is not w or w.data_ptr() != ptr:
             block.packed = block._pack_views = None
             return None
-    if grad and block._pack_views[0][4].requires_grad:
-        return None
-    return block.packed
+    return block.packed, [v[4] for v in block._pack_views]
 
 
-def _grouped_mm_experts(xs: torch.Tensor, counts: list[int], gu, dn) -> torch.Tensor:
-    """All experts over their sorted rows in two grouped GEMMs: xs [S, H] -> [S, H]."""
-    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(xs, gu, offs=offs).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, dn, offs=offs)
+class _PackedExperts(torch.autograd.Function):
+    """Every expert over its sorted rows from the stacked buffers, forward and backward in
+    grouped GEMMs, each weight's gradient computed per active expert into that expert's own
+    parameter (the buffers are not parameters: each expert's weights are views into them)."""
+
+    @staticmethod
+    def forward(ctx, xs, counts, gu, dn, *weights):
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
+        gate, up = a.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        ctx.save_for_backward(xs, a, h)
+        ctx.counts, ctx.offs, ctx.gu, ctx.dn = counts, offs, gu, dn
+        return torch._grouped_mm(h, dn, offs=offs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        xs, a, h = ctx.saved_tensors
+        gy = gy.contiguous()
+        gh = torch._grouped_mm(gy, ctx.dn.transpose(1, 2), offs=ctx.offs)  # [S, W]
+        gate, up = a.chunk(2, dim=-1)
+        sg = torch.sigmoid(gate)
+        ga = torch.cat([gh * up * sg * (1 + gate * (1 - sg)), gh * gate * sg], dim=-1)
+        gx = torch._grouped_mm(ga, ctx.gu.transpose(1, 2), offs=ctx.offs) \
+            if ctx.needs_input_grad[0] else None
+        grads, start, W = [], 0, h.shape[1]
+        for e, c in enumerate(ctx.counts):
+            if not any(ctx.needs_input_grad[4 + 3 * e:7 + 3 * e]) or not c:
+                grads += [None] * 3
+                start += c
+                continue
+            rows = slice(start, start + c)
+            start += c
+            g_a = ga[rows].t() @ xs[rows]  # [2W, H]
+            grads += [g_a[:W], g_a[W:], gy[rows].t() @ h[rows]]
+        return (gx, None, None, None, *grads)
 
 
 def make_ffn(cfg, layer_idx: int, dense_factory):
