@@ -391,8 +391,7 @@ class _PackedExperts(torch.autograd.Function):
         gy = gy.contiguous()
         gh = torch._grouped_mm(gy, ctx.dn.transpose(1, 2), offs=ctx.offs)  # [S, W]
         gate, up = a.chunk(2, dim=-1)
-        sg = torch.sigmoid(gate)
-        ga = torch.cat([gh * up * sg * (1 + gate * (1 - sg)), gh * gate * sg], dim=-1)
+        ga = torch.cat([torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)], dim=-1)
         gx = torch._grouped_mm(ga, ctx.gu.transpose(1, 2), offs=ctx.offs) \
             if ctx.needs_input_grad[0] else None
         grads, start, W = [], 0, h.shape[1]
