@@ -165,7 +165,8 @@ def record_routing(items, routing: Routing) -> None:
 
 def wants_routing(model) -> bool:
     """Whether ``model`` is a mixture with routing replay switched on."""
-    return getattr(model.config, "moe", None) is not None and getattr(model, "routing_replay", False)
+    return (getattr(model.config, "moe", None) is not None
+            and getattr(model, "routing_replay", False))
 
 
 def replay_routing(model, replay: torch.Tensor | None, aux: bool = False) -> Routing | None:
@@ -478,7 +479,8 @@ def z_loss(logits: list[torch.Tensor], valid: torch.Tensor | None = None) -> tor
     total = 0.0
     for lg in logits:
         z = torch.logsumexp(lg.float(), dim=-1) ** 2
-        total = total + (z.mean() if valid is None else (z * valid).sum() / valid.sum().clamp(min=1))
+        total = total + (z.mean() if valid is None
+                         else (z * valid).sum() / valid.sum().clamp(min=1))
     return total / len(logits)
 
 
