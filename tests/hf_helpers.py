@@ -18,6 +18,21 @@ FAMILY_CONFIGS = {
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
 }
 
+# Tiny mixtures: top-2 softmax routing (Mixtral, with a sliding window and a tied head),
+# a shared expert with its sigmoid gate, raw top-k weights and a dense layer (Qwen2-MoE),
+# normalised top-k over 8 experts, untied (Qwen3-MoE).
+MOE_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=6, tie_word_embeddings=True),
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, norm_topk_prob=True,
+                      tie_word_embeddings=False),
+}
+FAMILY_CONFIGS.update(MOE_CONFIGS)
+
 
 def make_hf_config(family: str, **over):
     from transformers import AutoConfig
@@ -43,6 +58,9 @@ def make_hf_model(family: str, seed: int = 0, **over):
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
+            elif n.endswith("gate.weight") or "experts" in n:  # routers: spread choices
+                p.copy_(0.5 * torch.randn_like(p) if n.endswith("gate.weight")
+                        else 0.1 * torch.randn_like(p))
     return model.eval()
 
 

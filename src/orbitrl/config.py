@@ -48,6 +48,7 @@ class LoraSection:
     alpha: float = 32.0
     dropout: float = 0.0
     targets: list = field(default_factory=lambda: ["all-linear"])
+    experts: Literal["none", "per_expert", "shared"] = "none"  # mixtures: whether targets may select routed experts' projections: per_expert (an adapter each) or shared (one per projection and layer, used by every expert)
 
     def __post_init__(self):
         if self.rank <= 0:
@@ -237,6 +238,19 @@ class LogSection:
 
 
 @dataclass
+class MoeSection:
+    """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE); ignored by dense ones."""
+    routing_replay: bool = True  # the engine records each token's experts, training replays them (weights from the current router)
+    aux_loss_coef: float = 0.001  # load-balancing loss weight in the policy loss (0: off)
+    z_loss_coef: float = 0.0  # router z-loss weight (squared logsumexp of router logits)
+    replay_check_every: int = 10  # every N steps a forward without replay logs logprob_mismatch_max_noreplay and routing_flip_frac (0: never)
+
+    def __post_init__(self):
+        _require(self, "moe", ("aux_loss_coef", "z_loss_coef", "replay_check_every"),
+                 lambda v: v >= 0, ">= 0")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -248,6 +262,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)
     log: LogSection = field(default_factory=LogSection)
+    moe: MoeSection = field(default_factory=MoeSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -28,9 +28,11 @@ def run(args) -> int:
     if not final.exists():
         raise OrbitError(f"{final}: missing (the run has not finished; nothing to export)")
     out = Path(args.out)
-    if cfg.train.mode == "full":
+    if cfg.train.mode == "full" or not (final / "adapter_config.json").exists():
         if args.format == "peft":
-            raise OrbitError(f"{run_dir}: a full-parameter run has no adapters; use --format hf")
+            raise OrbitError(f"{run_dir}: no PEFT adapters (a full-parameter run, or LoRA on "
+                             "a mixture's routed experts: final holds merged weights); use "
+                             "--format hf")
         shutil.copytree(final, out, dirs_exist_ok=True)
         print(f"exported {final} -> {out}")
         return 0

@@ -66,7 +66,8 @@ class Engine:
             (``decode_runner.py``: state on the device, CUDA graphs on CUDA); False sends
             every step through the general path (the reference the tests compare with).
             Default: on CUDA only; on CPUs the runner's bucket padding and masked KV writes
-            made a decode step 10-20% slower than the general path (docs/engine.md).
+            made a decode step 10-20% slower than the general path (docs/engine.md). Never
+            for mixtures of experts (their routing is recorded on the general path).
         cuda_graphs: capture the decode runner's steps as CUDA graphs (default: on CUDA).
     """
 
@@ -103,7 +104,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
-        self.static_decode = device.type == "cuda" if static_decode is None else static_decode
+        # mixtures run the general path: the expert grouping reads token counts on the host
+        # (no graph capture) and the general path records the routing for replay
+        moe = getattr(cfg, "moe", None) is not None
+        self.static_decode = (device.type == "cuda" if static_decode is None
+                              else static_decode) and not moe
         self.decode = DecodeState(max_num_seqs, -(-self.max_model_len // block_size),
                                   block_size, self.max_model_len, device)
         self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs)
@@ -239,7 +244,8 @@ class Engine:
         self.stats["seconds"] += time.perf_counter() - t0
         for i, seqs in self._done.items():
             outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
-                                          s.finish_reason)
+                                          s.finish_reason,
+                                          s.routing and s.routing.tensor(len(s)))
                                for s in sorted(seqs, key=lambda s: s.sample)]
         return outs
 

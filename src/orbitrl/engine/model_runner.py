@@ -11,6 +11,7 @@ import torch
 
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
+from orbitrl.model.moe import Routing, record_routing, wants_routing
 
 
 class ModelRunner:
@@ -38,7 +39,12 @@ class ModelRunner:
                                     [(s.block_table, s.num_computed, n) for s, n in items])
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
-        hidden = self.model(ids_t, positions=pos_t, attn=attn, return_hidden=True)[0]
+        # mixtures with routing replay: each token's experts, kept per sequence for training
+        routing = Routing(record=True) if wants_routing(self.model) else None
+        hidden = self.model(ids_t, positions=pos_t, attn=attn, return_hidden=True,
+                            routing=routing)[0]
+        if routing is not None:
+            record_routing(items, routing)
         if not rows:
             return None, done
         last = hidden.index_select(0, torch.tensor(rows, device=dev))

@@ -72,6 +72,7 @@ class Completion:
     logprobs: list[float]
     raw_logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    routing: object = None  # mixtures: [S, prompt + completion, k] expert ids (moe.RoutingLog)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Sequence:
         self.swap: tuple | None = None  # host copy of KV while swapped out
         self.seed = seed  # the request's seed (or the one the engine drew for it)
         self.key = row_key(seed, sample)  # random stream key (sampler.uniforms)
+        self.routing = None  # mixtures: experts chosen per computed token (moe.RoutingLog)
 
     def fork(self, sample: int) -> "Sequence":
         """A sibling with the same tokens and (shared) blocks; the caller bumps refcounts."""
@@ -128,6 +130,7 @@ class Sequence:
         s.token_ids, s.block_table = list(self.token_ids), list(self.block_table)
         s.logprobs, s.raw_logprobs = list(self.logprobs), list(self.raw_logprobs)
         s.key = row_key(self.seed, sample)
+        s.routing = self.routing.copy() if self.routing is not None else None
         return s
 
     def __len__(self):

@@ -78,7 +78,7 @@ class Options:
     tail_fraction: float = 0.5
     staleness: int = 2
     sync: str = "auto"  # full | adapter | changed | auto
-    changed_fraction: float = 0.1
+    changed_fraction: float | None = None  # None: the model's (ModelShape.changed_fraction)
     base_layout: str = "auto"
 
     def __post_init__(self):

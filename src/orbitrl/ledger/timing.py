@@ -140,8 +140,8 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
                                 links.host_gbps))
     t = hide_behind(train_t, hide_train) + hide_behind(score_t, hide_score) + other_t
     mode = options.sync if options.sync != "auto" else ("adapter" if adapter else "full")
-    sync = sync_transfer(mode, st.weights, 2 * adapter, options.changed_fraction, links,
-                         senders=max(1, n // 2))
+    frac = shape.changed_fraction if options.changed_fraction is None else options.changed_fraction
+    sync = sync_transfer(mode, st.weights, 2 * adapter, frac, links, senders=max(1, n // 2))
     return {"transfers": t, "exposed_s": sum(x.exposed for x in t), "train_s": train_s,
             "score_s": score_s, "micro_steps": micro, "tokens": tokens, "lengths": lengths,
             "sync": sync}

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from orbitrl.errors import OrbitError
 from orbitrl.model.lora import apply_lora, candidate_linears, lora_modules, match_targets
+from orbitrl.model.moe import routed_adapters
 from orbitrl.model.weights import save_pretrained
 
 CONFIG_NAME = "adapter_config.json"
@@ -67,6 +68,11 @@ def save_adapters(model: nn.Module, out_dir: str | Path,
     mods = lora_modules(model)
     if not mods:
         raise OrbitError("save_adapters: the model has no LoRA adapters (call apply_lora)")
+    routed = routed_adapters(model)
+    if routed:
+        raise OrbitError(f"save_adapters: {routed[0]} is a routed expert's adapter; PEFT files "
+                         "here cover attention, dense and shared-expert layers only (train with "
+                         "lora.experts=none, or export merged weights)")
     first = next(iter(mods.values()))
     drop = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank,

@@ -1,4 +1,5 @@
-"""Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3)."""
+"""Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, and
+the mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ FAMILIES = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "mixtral": (False, False),
+    "qwen2_moe": (True, False),
+    "qwen3_moe": (False, True),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -43,6 +47,7 @@ class ModelConfig:
     sliding_windows: list = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
+    moe: object = None  # MoEConfig (model/moe.py) for the mixture-of-experts families
     hf: dict = field(default_factory=dict, repr=False)  # the raw config.json, for export
 
     def __post_init__(self):
@@ -60,9 +65,12 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += (2 * d if self.qk_norm else 0) + (h if self.o_bias else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h
+        ffn = self.num_layers * mlp
+        if self.moe is not None:  # sparse layers hold experts, a router (and a shared expert)
+            ffn = sum(self.moe.ffn_params(j, h, mlp) for j in range(self.num_layers))
         emb = self.vocab_size * h
-        return self.num_layers * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
+        return self.num_layers * (attn + 2 * h) + ffn + emb * (1 if self.tie_word_embeddings
+                                                               else 2) + h
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -89,11 +97,14 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise OrbitError(f"{source}: unsupported rope type {rope_type!r} "
                              f"(supported: {', '.join(ROPE_TYPES)})")
-        if mt == "qwen2":
-            qkv_bias = True
+        if mt in ("qwen2", "qwen2_moe"):
+            qkv_bias = bool(hf.get("qkv_bias", True))
         else:
             qkv_bias = bool(hf.get("attention_bias", qkv_default))
         windows = _sliding_windows(hf, mt, n_layers)
+        from orbitrl.model.moe import MoEConfig
+
+        moe = MoEConfig.from_hf(hf, mt, n_layers, source)
         return cls(
             model_type=mt, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -102,11 +113,12 @@ class ModelConfig:
             rope_type=rope_type, rope_params=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
-            o_bias=bool(hf.get("attention_bias", False)) if mt in ("llama", "qwen3") else False,
+            o_bias=bool(hf.get("attention_bias", False)) if mt in ("llama", "qwen3", "qwen3_moe")
+            else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if mt == "llama" else False,
             qk_norm=qk_norm, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             hidden_act=act, sliding_windows=windows, bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"), hf=hf, **kw)
+            eos_token_id=hf.get("eos_token_id"), moe=moe, hf=hf, **kw)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -128,9 +140,9 @@ def _sliding_windows(hf: dict, mt: str, n_layers: int) -> list:
     layer_types = hf.get("layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         return [window] * n_layers
-    if mt in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window:
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window") and window:
         first = hf.get("max_window_layers", n_layers)
         return [window if i >= first else None for i in range(n_layers)]
     return [None] * n_layers

@@ -1,4 +1,5 @@
-"""The one decoder (Llama / Mistral / Qwen2 / Qwen3) that rolls out, scores and trains.
+"""The one decoder (Llama / Mistral / Qwen2 / Qwen3, and the mixture-of-experts families
+Mixtral / Qwen2-MoE / Qwen3-MoE through ``moe.py``) that rolls out, scores and trains.
 
 Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``) so that weights
 and PEFT adapter names map one to one (see ``weights.py``). Projections are plain
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orbitrl.model.attention import build_mask, dense_attention
 from orbitrl.model.config import ModelConfig
+from orbitrl.model.moe import Routing, make_ffn
 from orbitrl.model.rope import Rotary, apply_rotary
 
 # (layer_idx, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; rope already applied
@@ -85,13 +87,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        # "mlp" (Mixtral: "block_sparse_moe"): a dense MLP or a sparse mixture (moe.py)
+        self.ffn_name, ffn = make_ffn(cfg, layer_idx, lambda: MLP(cfg))
+        setattr(self, self.ffn_name, ffn)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, masks, attn=None):
+    def forward(self, x, cos, sin, masks, attn=None, routing: Routing | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        ffn, h = getattr(self, self.ffn_name), self.post_attention_layernorm(x)
+        return x + (ffn(h) if isinstance(ffn, MLP) else ffn(h, routing))
 
 
 class Backbone(nn.Module):
@@ -141,11 +146,15 @@ class Decoder(nn.Module):
         self.rotary = Rotary(cfg)
         self.recompute = False
         self.offload_activations = False
+        # mixtures: record/replay routing, router loss weights (moe.configure sets them)
+        self.routing_replay = cfg.moe is not None
+        self.router_aux_coef = self.router_z_coef = 0.0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_ids: torch.Tensor | None = None, attn: AttentionBackend | None = None,
                 return_hidden: bool = False,
-                parent_ids: torch.Tensor | None = None) -> torch.Tensor:
+                parent_ids: torch.Tensor | None = None,
+                routing: Routing | None = None) -> torch.Tensor:
         """
         Args:
             input_ids: [B, T] token ids.
@@ -159,6 +168,8 @@ class Decoder(nn.Module):
             attn: optional attention backend (the engine's paged KV cache); when given,
                 ``positions`` must be given and ``seq_ids`` is ignored.
             return_hidden: return final hidden states [B, T, H] instead of logits.
+            routing: mixtures only: record the experts each token chose, replay given ones,
+                collect router logits for the router losses (``moe.Routing``).
         """
         B, T = input_ids.shape
         if positions is None:
@@ -168,6 +179,8 @@ class Decoder(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         masks = _Masks(seq_ids, positions, parent_ids)
+        if routing is not None:
+            routing.valid = seq_ids.reshape(-1) >= 0
         offload = (self.offload_activations and x.device.type != "cpu"
                    and torch.is_grad_enabled())
         for layer in self.model.layers:
@@ -176,9 +189,10 @@ class Decoder(nn.Module):
                 # hooks, so save_on_cpu moves exactly those to the host
                 with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload \
                         else nullcontext():
-                    x = checkpoint(layer, x, cos, sin, masks, use_reentrant=False)
+                    x = checkpoint(layer, x, cos, sin, masks, None, routing,
+                                   use_reentrant=False)
             else:
-                x = layer(x, cos, sin, masks, attn)
+                x = layer(x, cos, sin, masks, attn, routing)
         x = self.model.norm(x)
         return x if return_hidden else self.lm_head(x)
 

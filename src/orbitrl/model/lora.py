@@ -121,13 +121,18 @@ class LoRALinear(nn.Module):
 
 # ---- selecting target modules --------------------------------------------------------------
 
-def candidate_linears(model: nn.Module) -> dict[str, nn.Module]:
+def candidate_linears(model: nn.Module, experts: bool = False) -> dict[str, nn.Module]:
     """Linear layers inside the decoder layers that LoRA may target (not the LM head, not
-    layers already inside an adapter), by HF module name."""
+    layers already inside an adapter, a mixture's routed experts only with ``experts``), by
+    HF module name."""
+    from orbitrl.model.moe import ROUTED_EXPERT
+
     inside = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     out = {}
     for name, mod in model.named_modules():
         if not name.startswith("model.layers.") or any(name.startswith(p + ".") for p in inside):
+            continue
+        if not experts and ROUTED_EXPERT.fullmatch(name):
             continue
         if isinstance(mod, (nn.Linear, FrozenLinear)):
             out[name] = mod
@@ -173,7 +178,8 @@ def match_targets(names: Iterable[str], targets: str | Sequence[str],
 
 def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
                dropout: float = 0.0, targets: str | Sequence[str] = "all-linear",
-               adapter_dtype="float32", base_format: str | None = None) -> list[str]:
+               adapter_dtype="float32", base_format: str | None = None,
+               experts: str = "none") -> list[str]:
     """Wrap the selected linear layers in :class:`LoRALinear` and freeze everything else.
 
     Args:
@@ -182,15 +188,20 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
         targets: pattern(s), see :func:`match_targets`.
         adapter_dtype: "float32" or "bf16".
         base_format: also store each wrapped plain ``nn.Linear`` frozen in this format.
+        experts: mixtures: "none" (routed experts are not candidates), "per_expert" (each
+            selected expert projection gets its own adapter), "shared" (one adapter per
+            projection kind and layer, used by every expert; ``moe.share_expert_adapters``).
     Returns:
         The wrapped module names, in model order.
     """
     if lora_modules(model):
         raise OrbitError("apply_lora: the model already has LoRA adapters")
+    if experts not in ("none", "per_expert", "shared"):
+        raise OrbitError(f"lora.experts: {experts!r} is not one of none, per_expert, shared")
     if adapter_dtype not in ADAPTER_DTYPES and adapter_dtype not in ADAPTER_DTYPES.values():
         raise OrbitError(f"adapter_dtype: {adapter_dtype!r} is not one of float32, bf16")
     alpha = float(rank if alpha is None else alpha)
-    cands = candidate_linears(model)
+    cands = candidate_linears(model, experts != "none")
     names = match_targets(cands, targets)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -198,6 +209,10 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
         parent, _, child = name.rpartition(".")
         mod = LoRALinear(cands[name], rank, alpha, dropout, adapter_dtype, base_format)
         setattr(model.get_submodule(parent), child, mod.train(model.training))
+    if experts == "shared":
+        from orbitrl.model.moe import share_expert_adapters
+
+        share_expert_adapters(model)
     return names
 
 
@@ -207,8 +222,8 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable parameters: every LoRA A and B (hand these to the optimizer)."""
-    return [p for m in lora_modules(model).values()
-            for p in (m.lora_A.weight, m.lora_B.weight)]
+    params = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    return list({id(p): p for p in params}.values())  # experts' shared adapters once
 
 
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:

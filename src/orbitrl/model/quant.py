@@ -34,8 +34,10 @@ _DEVICES = {"fp32": None, "bf16": None, "int4": None, "int8": ("cpu", "cuda"),
 _LIBRARY = {"int8": "torchao Int8Tensor", "nf4": "torchao NF4Tensor"}
 
 # Projection weights inside decoder layers: what the loader quantizes (embeddings, norms and
-# the LM head stay in the load dtype).
-QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+# the LM head stay in the load dtype). Mixtures: every expert projection too (each
+# dequantized only when its expert runs); routers and the shared-expert gate stay as loaded.
+QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\."
+                               r"((shared_expert|experts\.\d+)\.)?(\w+_proj|w[123])\.weight")
 
 
 def _torchao():

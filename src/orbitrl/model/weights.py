@@ -33,6 +33,11 @@ _HF_NAMES = [
     r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)",
     r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight",
     r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias)",
+    # mixtures (moe.py): router, routed experts (Mixtral: w1 gate, w3 up, w2 down), shared expert
+    r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate\.weight",
+    r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w1|w2|w3)\.weight",
+    r"model\.layers\.\d+\.mlp\.shared_expert\.(gate|up|down)_proj\.weight",
+    r"model\.layers\.\d+\.mlp\.shared_expert_gate\.weight",
 ]
 _HF_RE = re.compile("|".join(f"(?:{p})" for p in _HF_NAMES))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -105,7 +110,8 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor | nn.Module):
 def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
                group_size: Optional[int] = None) -> Decoder:
-    """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3) into our decoder.
+    """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3; Mixtral, Qwen2-MoE,
+    Qwen3-MoE) into our decoder.
 
     Args:
         path: directory with config.json and model.safetensors (or an index + shards).
@@ -168,6 +174,10 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
     if base_format is not None:
         quant.finish_frozen(model, path)
     model.head_column_major()
+    if cfg.moe is not None:  # few rows per expert per call: see moe.pack_experts
+        from orbitrl.model.moe import pack_experts
+
+        pack_experts(model)
     return model.eval()
 
 
@@ -239,7 +249,9 @@ def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=N
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _write_atomic(path: Path, write: Callable[[str], None]):

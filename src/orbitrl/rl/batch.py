@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.moe import replay_routing
 from orbitrl.rl.types import Sample
 from orbitrl.train.logprobs import token_logprobs
 
@@ -46,6 +47,7 @@ class PackedBatch:
     rollout_logp: torch.Tensor  # [B, T]
     num_tokens: int           # tokens laid out (padding excluded; a shared prompt once)
     parent_ids: torch.Tensor | None = None  # [R, L] the prompt a completion token reads
+    routing: torch.Tensor | None = None  # mixtures: [S, R * L, k] experts to replay, -1 free
 
     @property
     def shape(self):
@@ -159,12 +161,16 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
 
 
 def score(model: Decoder, batch: PackedBatch, temperature: float = 1.0,
-          with_entropy: bool = False, return_hidden: bool = False):
+          with_entropy: bool = False, return_hidden: bool = False, routing=None):
     """Log-probabilities [B, T] of the completion tokens; with ``with_entropy`` also the
     entropy [B, T]; with ``return_hidden`` also the hidden states [M, H] that predict them
-    (for the critic)."""
+    (for the critic). ``routing``: a mixture's ``moe.Routing`` for this forward; default
+    replays ``batch.routing`` (the experts the engine used) when the model replays."""
+    if routing is None:
+        routing = replay_routing(model, batch.routing)
     hidden = model(batch.input_ids, positions=batch.positions, seq_ids=batch.seq_ids,
-                   parent_ids=batch.parent_ids, return_hidden=True).flatten(0, 1)[batch.src]
+                   parent_ids=batch.parent_ids, return_hidden=True,
+                   routing=routing).flatten(0, 1)[batch.src]
     out = token_logprobs(hidden, model.lm_head.weight, batch.targets,
                          temperature=temperature, with_entropy=with_entropy)
     res = (batch.pad(out[0]), batch.pad(out[1])) if with_entropy else (batch.pad(out),)

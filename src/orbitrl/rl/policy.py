@@ -20,7 +20,7 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.errors import OrbitError
-from orbitrl.model import load_tokenizer
+from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.weights import load_model
@@ -69,7 +69,7 @@ def build_policy(cfg: Config, device) -> Policy:
 
         model = load_base(path, _BASE[cfg.model.base_dtype], dtype, device)
         apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                   targets=cfg.lora.targets)
+                   targets=cfg.lora.targets, experts=cfg.lora.experts)
         trainable = adapter_parameters(model)
         reference = residency = ref_residency = None
         from orbitrl.model.quant import cache_dequantized
@@ -92,6 +92,7 @@ def build_policy(cfg: Config, device) -> Policy:
         if device.type != "cpu" or tiers:
             ref_residency = place_on_tiers(reference, device, tiers or 2)
     model.recompute = cfg.train.recompute or cfg.train.tiers > 0
+    moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
     tok = load_tokenizer(path, model.config.vocab_size)
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
 

@@ -36,7 +36,7 @@ def generate(engine, prompts: list[list[int]], rows: list[dict], params: Samplin
             continue
         for c in out.samples:
             samples.append(Sample(first + g, p, c.token_ids, c.logprobs, c.finish_reason,
-                                  c.text or "", row, version))
+                                  c.text or "", row, version, routing=c.routing))
     return samples
 
 

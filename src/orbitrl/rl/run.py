@@ -339,7 +339,10 @@ def save_policy(trainer, out: Path):
 
 
 def _save_policy(trainer, out: Path):
-    if trainer.cfg.train.mode == "adapter":
+    from orbitrl.model.moe import routed_adapters
+
+    # adapters on a mixture's routed experts have no PEFT layout: merged weights instead
+    if trainer.cfg.train.mode == "adapter" and not routed_adapters(trainer.model):
         from orbitrl.model.adapters import save_adapters
         from orbitrl.model.builtin import resolve_model_path
 

@@ -23,6 +23,7 @@ from orbitrl.rl import advantages as A
 from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.losses import kl_estimate
+from orbitrl.rl.routing import attach_routing, replay_check
 from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused
 
@@ -193,6 +194,7 @@ class Scorer:
         # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
         # when there are several (with one, it is that micro-batch's)
         parts = [pack([kept[j] for j in g], self.device) for g in mbs]
+        attach_routing(self.model, parts, [[kept[j] for j in g] for g in mbs])  # mixtures
         full = parts[0] if len(parts) == 1 else pack(kept, self.device)
         kl_coef = self.kl_ctl.value
         need_ref = kl_coef > 0 or self.algo.kl_in_reward
@@ -200,6 +202,9 @@ class Scorer:
         old, old_v, ref = self._passes(parts, need_ref, reuse)
         # (when reused, the update's policy loss reports the mismatch from its old logprobs)
         metrics = {} if reuse else mismatch(old, parts)
+        # mixtures: the gap routing replay removes, measured without it every N steps
+        metrics.update(replay_check(self.model, parts, self.T, version,
+                                    self.cfg.moe.replay_check_every))
         # per-token KL to the reference with the configured estimator (the reward penalty,
         # kl_in_reward, uses it as is; the step-0 check reads it; neither reuses old logprobs)
         kl = cat_padded([kl_estimate(o, rf, self.algo.kl_estimator) for o, rf in zip(old, ref)],

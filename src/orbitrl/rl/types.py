@@ -22,6 +22,7 @@ class Sample:
     fields: dict = field(default_factory=dict)  # the dataset row (answer, ...)
     policy_version: int = 0
     reward: float = 0.0
+    routing: object = None  # mixtures: [S, prompt + completion, k] experts the engine used
 
     @property
     def truncated(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 
 from orbitrl.config import AlgoSection
 from orbitrl.rl.batch import PackedBatch, score
+from orbitrl.model.moe import replay_routing, router_losses
 from orbitrl.rl.guards import layer_grad_norms
 from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from orbitrl.rl.types import Scored, StepAbandoned, Update
@@ -32,7 +33,9 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
     ``Scorer.old_from_update``), so its logprobs are this forward's, detached. ``mask``
     [B_k, T_k]: the loss mask (default the micro-batch's completion mask)."""
     msk = mb.mask if mask is None else mask
-    logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True)
+    routing = replay_routing(model, mb.routing, aux=True)  # None for a dense model
+    logp, ent, hidden = score(model, mb, temperature, with_entropy=True, return_hidden=True,
+                              routing=routing)
     if old_logp is None:
         old_logp = logp.detach()
     loss, m = policy_loss(logp, old_logp, adv, msk, clip_low=algo.clip_low,
@@ -44,6 +47,9 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
         kl_l, _ = kl_loss(logp, ref_logp, msk, kind=algo.kl_estimator, agg=algo.loss_agg,
                           norm_len=norm_len, denom=denom)
         loss = loss + kl_coef * kl_l
+    router_loss, router_m = router_losses(model, routing)  # mixtures: load balance, z-loss
+    loss = loss + router_loss
+    m.update(router_m)
     if critic is not None:
         values = mb.pad(critic(hidden.detach()))
         v_loss, vm = value_loss(values, old_values, returns, msk, clip=algo.value_clip,

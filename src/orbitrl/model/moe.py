@@ -1,0 +1,510 @@
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE) and routing I/O.
+
+A sparse layer holds a router (``gate``: one logit per expert), ``num_experts`` SwiGLU
+experts and, for Qwen2-MoE, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+Every token runs its top-k experts, weighted by the router's softmax at those experts
+(renormalised over the k for Mixtral, and for Qwen when ``norm_topk_prob``). Module names are
+the checkpoints' (``mlp.experts.3.up_proj``, Mixtral's ``block_sparse_moe.experts.3.w3``), so
+loading, export, frozen formats and LoRA treat each expert projection as one more linear.
+
+Experts are computed grouped: the (token, slot) pairs are sorted by expert once, and each
+active expert runs one matmul chain over its contiguous slice; inactive experts are never
+called, so a quantized base dequantizes only the active experts' weights.
+
+Routing replay. A :class:`Routing` passed to ``Decoder.forward`` records each token's chosen
+expert ids per sparse layer (the engine, during rollout), or replays given ids (the trainer):
+the forward then uses those experts, with their weights recomputed from the current router,
+so the gradient still reaches the router and the sampled token's logprob is the one the
+engine computed, even where a weight update or rounding would flip a near-tied choice. The
+same object collects what the router losses need (load balancing, z-loss).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from orbitrl.errors import OrbitError
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# projection names (gate, up, down) of one expert, per family
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+# a routed expert's projection, by module name (LoRA leaves these out unless asked)
+ROUTED_EXPERT = re.compile(r".*\.(mlp|block_sparse_moe)\.experts\.\d+\.\w+$")
+
+
+@dataclass
+class MoEConfig:
+    """The sparse layers' shape, read from an HF ``config.json``.
+
+    ``sparse_layers``: indices of the layers whose feed-forward is a mixture (Qwen's
+    ``decoder_sparse_step`` / ``mlp_only_layers`` leave others dense)."""
+    family: str
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    norm_topk_prob: bool
+    shared_intermediate: int = 0
+    sparse_layers: tuple = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict, mt: str, n_layers: int, source: str) -> "MoEConfig | None":
+        """None for dense families; a one-line OrbitError naming the key otherwise."""
+        if mt not in MOE_FAMILIES:
+            return None
+        key = "num_local_experts" if mt == "mixtral" else "num_experts"
+        experts = hf.get(key, hf.get("num_local_experts"))
+        width = hf.get("intermediate_size") if mt == "mixtral" else hf.get("moe_intermediate_size")
+        need = {key: experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
+                "intermediate_size" if mt == "mixtral" else "moe_intermediate_size": width}
+        if mt == "qwen2_moe":
+            need["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size")
+        for k, v in need.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise OrbitError(f"{source}: key {k!r} must be a positive integer, got {v!r}")
+        if need["num_experts_per_tok"] > experts:
+            raise OrbitError(f"{source}: num_experts_per_tok {need['num_experts_per_tok']} "
+                             f"exceeds {key} {experts}")
+        if hf.get("router_jitter_noise"):
+            raise OrbitError(f"{source}: router_jitter_noise {hf['router_jitter_noise']} is not "
+                             "supported (set it to 0)")
+        step = hf.get("decoder_sparse_step", 1) or 1
+        dense = set(hf.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(mt, experts, need["num_experts_per_tok"], width,
+                   True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+                   need.get("shared_expert_intermediate_size", 0), sparse)
+
+    @property
+    def ffn_attr(self) -> str:
+        """The layer attribute holding the feed-forward (Mixtral's checkpoints name it so)."""
+        return "block_sparse_moe" if self.family == "mixtral" else "mlp"
+
+    def ffn_params(self, layer: int, hidden: int, dense_params: int) -> int:
+        """Parameters of layer ``layer``'s feed-forward (router and shared expert included)."""
+        if layer not in self.sparse_layers:
+            return dense_params
+        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
+        return self.num_experts * (3 * hidden * self.expert_intermediate + hidden) + shared
+
+
+# ---- routing I/O ------------------------------------------------------------------------
+
+@dataclass
+class Routing:
+    """Routing input/output of one forward call (pass as ``Decoder.forward(routing=...)``).
+
+    Args:
+        replay: [S, N, k] expert ids per sparse layer for the call's N = B * T tokens (row
+            major), -1 where a token routes freely (e.g. the last sampled token, which the
+            engine never fed back). None: the router chooses.
+        record: keep the ids each sparse layer used in ``chosen`` (layer -> [N, k]).
+        aux: keep each sparse layer's router logits [N, E] for :func:`router_losses`.
+    ``valid`` [N] (set by the decoder from ``seq_ids``) excludes padding from the losses.
+    Entries are keyed by sparse-layer index, so a recomputed layer (activation
+    checkpointing) overwrites rather than appends.
+    """
+    replay: torch.Tensor | None = None
+    record: bool = False
+    aux: bool = False
+    chosen: dict = field(default_factory=dict)
+    logits: dict = field(default_factory=dict)
+    valid: torch.Tensor | None = None
+
+    def chosen_tensor(self) -> torch.Tensor:
+        """The recorded ids [S, N, k] in sparse-layer order."""
+        return torch.stack([self.chosen[i] for i in sorted(self.chosen)])
+
+
+class RoutingLog:
+    """A sequence's recorded routing in the engine: chunks of positions [start, start + n)
+    with their ids [S, n, k]; later chunks win (a preempted sequence is recomputed)."""
+
+    def __init__(self):
+        self.chunks: list[tuple[int, torch.Tensor]] = []
+
+    def write(self, start: int, ids: torch.Tensor) -> None:
+        self.chunks.append((start, ids))
+
+    def copy(self) -> "RoutingLog":
+        out = RoutingLog()
+        out.chunks = list(self.chunks)
+        return out
+
+    def tensor(self, length: int) -> torch.Tensor | None:
+        """[S, length, k] int16, -1 at positions never computed here (a prefix-cache hit,
+        the last sampled token)."""
+        if not self.chunks:
+            return None
+        S, _, k = self.chunks[0][1].shape
+        out = torch.full((S, length, k), -1, dtype=torch.int16)
+        for start, ids in self.chunks:
+            n = min(ids.shape[1], length - start)
+            out[:, start:start + n] = ids[:, :n]
+        return out
+
+
+def record_routing(items, routing: Routing) -> None:
+    """Engine side: split one step's recorded ids over its sequences. ``items``: the
+    (sequence, n) pairs in the order their tokens were laid out in the row; each sequence's
+    ``routing`` (a :class:`RoutingLog`, created here) gets positions
+    [num_computed, num_computed + n)."""
+    ids = routing.chosen_tensor().to("cpu", torch.int16)  # [S, N, k], one copy per step
+    off = 0
+    for seq, n in items:
+        if seq.routing is None:
+            seq.routing = RoutingLog()
+        seq.routing.write(seq.num_computed, ids[:, off:off + n])
+        off += n
+
+
+def wants_routing(model) -> bool:
+    """Whether ``model`` is a mixture with routing replay switched on."""
+    return (getattr(model.config, "moe", None) is not None
+            and getattr(model, "routing_replay", False))
+
+
+def replay_routing(model, replay: torch.Tensor | None, aux: bool = False) -> Routing | None:
+    """The Routing for one trainer forward: replays ``replay`` when the model replays, and
+    collects router logits when ``aux`` and a router loss is configured; None for a dense
+    model (nothing to pass)."""
+    if getattr(model.config, "moe", None) is None:
+        return None
+    use = replay if wants_routing(model) else None
+    want_aux = aux and (getattr(model, "router_aux_coef", 0.0) > 0
+                        or getattr(model, "router_z_coef", 0.0) > 0)
+    return Routing(replay=use, aux=want_aux)
+
+
+# ---- routing and experts ------------------------------------------------------------------
+
+def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None = None):
+    """Top-k routing from router logits [N, E]: softmax in fp32, the k largest (or the given
+    ``ids`` [N, k], -1 = choose), renormalised over the k when ``norm``. Returns
+    (ids [N, k] long, weights [N, k] in the logits' dtype)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    if ids is not None:
+        ids = ids.to(device=logits.device, dtype=torch.long)
+        free = (ids < 0).any(-1, keepdim=True)
+        top_i = torch.where(free, top_i, ids)
+        top_w = probs.gather(1, top_i)
+    if norm:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_i, top_w.to(logits.dtype)
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    experts: nn.ModuleList, packed=None) -> torch.Tensor:
+    """sum_j weights[:, j] * experts[ids[:, j]](x), grouped by expert.
+
+    x [N, H], ids [N, k], weights [N, k] -> [N, H]. The N * k (token, slot) pairs are sorted
+    by expert id once; each active expert computes its contiguous slice in one call (one
+    matmul per projection), and the weighted results are summed back per token with one
+    ``index_add_`` (in expert order per token, as transformers adds them). One host sync
+    (the per-expert counts) per call. ``packed``: the stacked buffers and weights of
+    :func:`pack_experts` (from ``_packed_weights``), computed in grouped GEMMs instead of the
+    per-expert loop.
+    """
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    token = order // k  # [N * k] token of each sorted slot
+    xs = x.index_select(0, token)
+    if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
+        (gu, dn), weights_ = packed
+        ys = _PackedExperts.apply(xs, counts, gu, dn, *weights_)
+    else:
+        # split, not slices: a slice's backward fills a zero tensor the size of ``xs`` per
+        # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
+        parts = xs.split(counts)
+        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if counts[e]])
+    ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
+    return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)), projections named per family."""
+
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden, width, bias=False))
+        setattr(self, up, nn.Linear(hidden, width, bias=False))
+        setattr(self, down, nn.Linear(width, hidden, bias=False))
+
+    def forward(self, x):
+        gate, up, down = (_call(getattr(self, n)) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+def _call(lin):
+    """A plain ``nn.Linear`` as ``F.linear`` (no module call: an expert runs once per active
+    expert per layer per step, where the call overhead is a visible share of a decode step);
+    any other projection (LoRA, frozen formats) through its module."""
+    if type(lin) is nn.Linear and lin.bias is None:
+        w = lin.weight
+        return lambda x: F.linear(x, w)
+    return lin
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] (``gate.weight``). Not an ``nn.Linear``: it is neither
+    quantized nor adapted (a routing decision should not move through a low-rank delta)."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class SparseMoE(nn.Module):
+    """A sparse feed-forward layer. x [B, T, H] -> [B, T, H].
+
+    Args:
+        cfg: the decoder's ModelConfig (``cfg.moe`` set).
+        moe_index: this layer's index among the sparse layers (its row in a Routing).
+    """
+
+    def __init__(self, cfg, moe_index: int):
+        super().__init__()
+        m: MoEConfig = cfg.moe
+        self.moe_index, self.top_k, self.norm = moe_index, m.top_k, m.norm_topk_prob
+        h = cfg.hidden_size
+        self.gate = Router(h, m.num_experts)
+        names = _EXPERT_NAMES[m.family]
+        self.experts = nn.ModuleList(Expert(h, m.expert_intermediate, names)
+                                     for _ in range(m.num_experts))
+        if m.shared_intermediate:
+            self.shared_expert = Expert(h, m.shared_intermediate, names)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.packed = self._pack_views = None  # see pack_experts
+
+    def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        replay = None
+        if routing is not None and routing.replay is not None:
+            replay = routing.replay[self.moe_index]
+        ids, w = route(logits, self.top_k, self.norm, replay)
+        if routing is not None:
+            if routing.record:
+                routing.chosen[self.moe_index] = ids.detach()
+            if routing.aux:
+                routing.logits[self.moe_index] = (logits, ids)
+        out = grouped_experts(x, ids, w, self.experts, _packed_weights(self))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+
+def pack_experts(model) -> int:
+    """Lay each sparse layer's plain fp32 CPU expert weights out as two stacked buffers,
+    gate|up ``[E, H, 2W]`` and down ``[E, W, H]``, every expert's ``nn.Linear`` weight a
+    (column-major) view into them; returns the number of layers packed.
+
+    Why: an expert sees few rows per call (a 16-token decode step gives each of 16 experts
+    about 4), where two things cost more than the arithmetic. ``x @ W.T`` over a row-major
+    ``W`` runs at a fraction of MKL's bandwidth (a 16-token forward of a 16-expert layer,
+    512 x 256 experts: 24 ms row-major, 10 ms column-major, one thread, 2 shared cores), and
+    a Python loop over the experts dispatches six ops each (and autograd ten more). With the
+    buffers, a forward runs two ``torch._grouped_mm`` over all experts and a backward three,
+    plus one matmul per projection pair and active expert for the weight gradients
+    (``_PackedExperts``). Same bytes at rest (the buffers are the weights); in-place updates
+    keep the views; anything that re-allocates a weight (a move, sharding, a LoRA or
+    frozen-format wrapper) breaks the view, which each call checks, and the per-expert loop
+    runs instead."""
+    if not hasattr(torch, "_grouped_mm"):
+        return 0
+    n = 0
+    with torch.no_grad():
+        for block in model.modules():
+            if isinstance(block, SparseMoE) and _pack(block):
+                n += 1
+    return n
+
+
+def _pack(block: "SparseMoE") -> bool:
+    lins = [[getattr(ex, name) for name in ex.names] for ex in block.experts]
+    if not all(type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
+               and m.weight.dtype == torch.float32 for row in lins for m in row):
+        return False
+    E, (W, H) = len(lins), lins[0][0].weight.shape
+    gu, dn = torch.empty(E, H, 2 * W), torch.empty(E, W, H)
+    for e, (g, u, d) in enumerate(lins):
+        gu[e, :, :W], gu[e, :, W:], dn[e] = g.weight.t(), u.weight.t(), d.weight.t()
+        g.weight.data, u.weight.data = gu[e, :, :W].t(), gu[e, :, W:].t()
+        d.weight.data = dn[e].t()
+    block.packed = (gu, dn)
+    # what each call checks, as plain ints and objects (tensor indexing and module
+    # attribute lookups cost more than a small decode step's arithmetic)
+    block._pack_views = [(ex._modules, name, lin, lin._parameters, lin.weight,
+                          lin.weight.data_ptr())
+                         for ex, row in zip(block.experts, lins)
+                         for name, lin in zip(ex.names, row)]
+    return True
+
+
+def _packed_weights(block: "SparseMoE"):
+    """The stacked buffers and the expert weights they back (gate, up, down per expert)
+    while every weight is still the view :func:`pack_experts` made, else None; a weight
+    re-allocated or replaced, or a projection wrapped (moved, sharded, adapted) drops the
+    buffers for good, freeing them."""
+    if block.packed is None:
+        return None
+    for mods, name, lin, params, w, ptr in block._pack_views:
+        if mods[name] is not lin or params["weight"] is not w or w.data_ptr() != ptr:
+            block.packed = block._pack_views = None
+            return None
+    return block.packed, [v[4] for v in block._pack_views]
+
+
+class _PackedExperts(torch.autograd.Function):
+    """Every expert over its sorted rows from the stacked buffers, forward and backward in
+    grouped GEMMs, each weight's gradient computed per active expert into that expert's own
+    parameter (the buffers are not parameters: each expert's weights are views into them)."""
+
+    @staticmethod
+    def forward(ctx, xs, counts, gu, dn, *weights):
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
+        gate, up = a.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        ctx.save_for_backward(xs, a, h)
+        ctx.counts, ctx.offs, ctx.gu, ctx.dn = counts, offs, gu, dn
+        return torch._grouped_mm(h, dn, offs=offs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        xs, a, h = ctx.saved_tensors
+        gy = gy.contiguous()
+        gh = torch._grouped_mm(gy, ctx.dn.transpose(1, 2), offs=ctx.offs)  # [S, W]
+        gate, up = a.chunk(2, dim=-1)
+        ga = torch.cat([torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)], dim=-1)
+        gx = torch._grouped_mm(ga, ctx.gu.transpose(1, 2), offs=ctx.offs) \
+            if ctx.needs_input_grad[0] else None
+        grads, start, W = [], 0, h.shape[1]
+        for e, c in enumerate(ctx.counts):
+            if not any(ctx.needs_input_grad[4 + 3 * e:7 + 3 * e]) or not c:
+                grads += [None] * 3
+                start += c
+                continue
+            rows = slice(start, start + c)
+            start += c
+            g_a = ga[rows].t() @ xs[rows]  # [2W, H]
+            grads += [g_a[:W], g_a[W:], gy[rows].t() @ h[rows]]
+        return (gx, None, None, None, *grads)
+
+
+def make_ffn(cfg, layer_idx: int, dense_factory):
+    """The feed-forward of layer ``layer_idx``: a SparseMoE when the config says so, else
+    ``dense_factory()``. Returns (attribute name, module)."""
+    m = cfg.moe
+    if m is None:
+        return "mlp", dense_factory()
+    if layer_idx not in m.sparse_layers:
+        return m.ffn_attr, dense_factory()
+    return m.ffn_attr, SparseMoE(cfg, m.sparse_layers.index(layer_idx))
+
+
+def routed_adapters(model) -> list[str]:
+    """Names of the LoRA modules on routed experts (PEFT files cannot hold them here)."""
+    from orbitrl.model.lora import lora_modules
+
+    return [n for n in lora_modules(model) if ROUTED_EXPERT.fullmatch(n)]
+
+
+def share_expert_adapters(model) -> int:
+    """Make every routed expert of a layer use one LoRA pair per projection kind: the
+    adapters ``apply_lora`` put on each expert's projection are replaced by the first
+    expert's (its A and B modules are the same objects in every expert), so a layer trains
+    ``rank * (in + out)`` per projection kind instead of ``num_experts`` times that. Returns
+    the number of shared pairs; a one-line OrbitError when only some experts were adapted."""
+    from orbitrl.model.lora import LoRALinear
+
+    pairs = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, SparseMoE):
+            continue
+        for proj in mod.experts[0].names:
+            wrapped = [getattr(ex, proj) for ex in mod.experts]
+            hit = [isinstance(w, LoRALinear) for w in wrapped]
+            if not any(hit):
+                continue
+            if not all(hit):
+                raise OrbitError(f"lora.experts shared: lora.targets adapt {proj} of only some "
+                                 f"experts of {name} (select all of them, or none)")
+            for w in wrapped[1:]:
+                w.lora_A, w.lora_B = wrapped[0].lora_A, wrapped[0].lora_B
+            pairs += 1
+    return pairs
+
+
+# ---- router losses ------------------------------------------------------------------------
+
+def load_balancing_loss(logits: list[torch.Tensor], ids: list[torch.Tensor], num_experts: int,
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, as transformers computes it over all sparse
+    layers: E * sum_e f_e * P_e, with f_e the fraction of (token, slot) assignments to expert
+    e and P_e its mean router probability, both pooled over layers and valid tokens.
+    ``ids`` are the experts actually used (the replayed ones under replay)."""
+    dev = logits[0].device
+    counts = torch.zeros(num_experts, device=dev)
+    probs = torch.zeros(num_experts, device=dev)
+    rows = 0.0
+    for lg, ix in zip(logits, ids):
+        p = torch.softmax(lg.float(), dim=-1)
+        m = torch.ones(p.shape[0], device=dev) if valid is None else valid.float()
+        counts = counts.scatter_add(0, ix.reshape(-1), m.repeat_interleave(ix.shape[1]))
+        probs = probs + (p * m[:, None]).sum(0)
+        rows = rows + m.sum()
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+def z_loss(logits: list[torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over valid tokens and layers of logsumexp(logits)^2
+    (keeps router logits small, so routing stays stable in low precision)."""
+    total = 0.0
+    for lg in logits:
+        z = torch.logsumexp(lg.float(), dim=-1) ** 2
+        total = total + (z.mean() if valid is None
+                         else (z * valid).sum() / valid.sum().clamp(min=1))
+    return total / len(logits)
+
+
+def router_losses(model, routing: Routing | None) -> tuple[torch.Tensor | float, dict]:
+    """``router_aux_coef * load_balancing + router_z_coef * z_loss`` of one forward's
+    ``routing`` (collected with ``aux``), and metrics; (0.0, {}) when nothing was collected."""
+    if routing is None or not routing.logits:
+        return 0.0, {}
+    keys = sorted(routing.logits)
+    lg = [routing.logits[i][0] for i in keys]
+    ix = [routing.logits[i][1] for i in keys]
+    valid = routing.valid
+    lb = load_balancing_loss(lg, ix, model.config.moe.num_experts, valid)
+    z = z_loss(lg, valid)
+    loss = model.router_aux_coef * lb + model.router_z_coef * z
+    return loss, {"router_aux_loss": float(lb.detach()), "router_z_loss": float(z.detach())}
+
+
+def configure(model, routing_replay: bool = True, aux_loss_coef: float = 0.0,
+              z_loss_coef: float = 0.0) -> None:
+    """Run settings of a mixture model (the ``moe`` config section); a no-op on dense ones."""
+    if getattr(model.config, "moe", None) is None:
+        return
+    if aux_loss_coef < 0 or z_loss_coef < 0:
+        raise OrbitError("moe.aux_loss_coef / moe.z_loss_coef: must be >= 0")
+    model.routing_replay = bool(routing_replay)
+    model.router_aux_coef, model.router_z_coef = float(aux_loss_coef), float(z_loss_coef)
