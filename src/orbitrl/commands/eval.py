@@ -1,6 +1,7 @@
 """`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`:
 greedy accuracy (for a data file, ``exact_match`` against its answer field; for the built-in
-code task, the fraction of tests passed in the sandbox)."""
+code task, the fraction of tests passed in the sandbox). ``--task humaneval`` and ``--task
+gsm8k[:FILE]`` (pass@1 greedy, pass@k from --n samples) run in orbitrl.evals."""
 
 from __future__ import annotations
 
@@ -18,15 +19,23 @@ def add_arguments(parser):
     parser.add_argument("--answer-field", default="answer")
     parser.add_argument("--reward", help="registered reward name (default: the task's own, "
                         "code for --task code, else exact_match)")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="completion cap (default 8; humaneval 384, gsm8k 256)")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each prompt in the model's chat template, as training does "
                         "with data.chat_template: true")
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
+    from orbitrl.evals import cli as suite  # --task humaneval | gsm8k[:FILE]
+
+    suite.add_arguments(parser)
 
 
 def run(args) -> int:
+    from orbitrl.evals import cli as suite
+
+    if (code := suite.run(args)) is not None:  # --task humaneval | gsm8k[:FILE]
+        return code
     import torch
 
     from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows
@@ -38,6 +47,7 @@ def run(args) -> int:
     from orbitrl.rl.evaluate import reward_fields
 
     torch.set_num_threads(1)
+    args.max_tokens = args.max_tokens or 8
     path = resolve_model_path(args.model)
     task = args.task or "arith"
     name = args.reward or TASK_REWARDS.get(task, "exact_match")

