@@ -16,6 +16,8 @@ a separate rollout pool), which is what a weight mismatch looks like.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from orbitrl.errors import OrbitError
@@ -39,7 +41,13 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
     engine = Engine(model, tok, max_num_seqs=1, kv_budget_bytes=longest * kv_bytes_per_token(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
     rows: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.detach().float()))
+    me = threading.get_ident()  # (a rollout thread may share the model: overlapped mode)
+
+    def keep(module, inputs, output):
+        if threading.get_ident() == me:
+            rows.append(output.detach().float())
+
+    hook = model.lm_head.register_forward_hook(keep)
     out = []
     try:
         for j, p in enumerate(prompts):
@@ -89,3 +97,21 @@ def measure(engine_model, trainer_model, tok, prompts: list[list[int]], max_toke
     e_logits = torch.cat([x for _, x, _ in samples])
     e_logp = torch.cat([x for _, _, x in samples])
     return compare(e_logits, t_logits, e_logp, t_logp, top_k)
+
+
+def training_row(model, tok, prompts: list[list[int]], max_tokens: int,
+                 bounds=None) -> dict[str, float]:
+    """The check inside training (``log.align_every``): the figures as ``align_*`` metrics,
+    ``align_ok`` 1 or 0 against the default bounds. The model is put in eval mode for the
+    check (LoRA dropout off, as the rollout sees it) and left as it was."""
+    from orbitrl.observe.alignment import AlignmentBounds, violations
+
+    was_training = model.training
+    model.eval()
+    try:
+        m = measure(model, model, tok, prompts, max_tokens=max_tokens)
+    finally:
+        model.train(was_training)
+    row = {f"align_{k}": v for k, v in m.items() if k != "positions"}
+    row["align_ok"] = float(not violations(m, bounds or AlignmentBounds()))
+    return row

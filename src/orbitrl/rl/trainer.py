@@ -375,6 +375,12 @@ class RLTrainer:
         step_s = time.perf_counter() - t_step
         row["time_step_s"] = step_s
         row.update(self._mfu(samples, keep, ctx, timer, step_s, batch["timeline"], prod, waited))
+        lg = self.cfg.log  # check-alignment every log.align_every steps (evals/alignment.py)
+        if lg.align_every and self.iteration % lg.align_every == 0 and not self.dist.enabled:
+            from orbitrl.evals.alignment import training_row
+
+            row.update(training_row(self.model, self.tok, [s.prompt_ids for s in samples[
+                ::r.n][:lg.align_prompts]], min(16, r.max_tokens)))
         self.iteration += 1
         return row
 
