@@ -63,3 +63,22 @@ def test_a_problem_whose_check_cannot_be_split_is_counted_not_passed(monkeypatch
     good = rows[0]["canonical_solution"]
     v = task.score([0, 1], [good, rows[1]["canonical_solution"]], lambda n: None)
     assert v[0].passed and not v[1].passed and v[1].status == "unjudgeable"
+
+
+def test_cli_end_to_end_on_the_builtin_model(tmp_path, capsys):
+    import json
+
+    from orbitrl.cli import main
+
+    out = tmp_path / "he.json"
+    assert main(["eval", "--task", "humaneval", "--limit", "2", "--n", "2", "--k", "1,2",
+                 "--max-tokens", "8", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["problems"] == 2 and res["unjudgeable"] == {}
+    assert res["truncated_prompts"] == 2  # 64-token context
+    assert [r["id"] for r in res["rows"]] == ["HumanEval/0", "HumanEval/1"]
+    for r in res["rows"]:
+        assert r["greedy"]["status"] in ("passed", "failed", "runtime_error")
+        assert r["samples"]["n"] == 2 and len(r["samples"]["statuses"]) == 2
+    assert set(res["sampled"]) >= {"pass@1", "pass@2", "n", "temperature"}
+    assert "humaneval: 2 problems; pass@1 (greedy)" in capsys.readouterr().out
