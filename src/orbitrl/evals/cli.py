@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--seed", type=int, default=0, help="of the sampled pass")
     g.add_argument("--batch", type=int, default=64, help="sequences decoded at once")
     g.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: shared cores stall several spinning threads)")
 
 
 def _options(args):
@@ -31,8 +33,8 @@ def _options(args):
         ks = tuple(int(x) for x in str(args.k).split(",") if x.strip())
     except ValueError:
         raise OrbitError(f"--k {args.k!r}: expected comma-separated integers") from None
-    if args.n < 0 or args.batch < 1:
-        raise OrbitError("--n must be >= 0 and --batch >= 1")
+    if args.n < 0 or args.batch < 1 or args.threads < 1:
+        raise OrbitError("--n must be >= 0, --batch and --threads >= 1")
     if args.n and any(k < 1 or k > args.n for k in ks):
         raise OrbitError(f"--k {args.k}: each k must be in [1, n] (n = {args.n})")
     if args.no_greedy and not args.n:
@@ -46,12 +48,15 @@ def run(args) -> int | None:
     """Run a suite task; None when ``args.task`` is not one (``orbitrl eval`` goes on)."""
     if not args.task or not (args.task == "humaneval" or args.task.split(":")[0] == "gsm8k"):
         return None
+    import torch
+
     from orbitrl.evals.run import evaluate
     from orbitrl.evals.tasks import make_task
     from orbitrl.model import load_model, load_tokenizer
     from orbitrl.model.builtin import resolve_model_path
 
     opts = _options(args)
+    torch.set_num_threads(args.threads)
     task = make_task(args.task, limit=args.limit)
     for why in task.errors.values():
         print(f"cannot judge: {why}")

@@ -77,7 +77,7 @@ class _NotPlain(Exception):
     pass
 
 
-class _Diverged(Exception):
+class _Diverged(BaseException):  # (not an Exception: a check's ``except`` must not eat it)
     def __init__(self, index: int, call: str):
         super().__init__(call)
         self.index, self.call = index, call
