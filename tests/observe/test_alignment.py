@@ -70,3 +70,24 @@ def test_bad_input_exits_2_without_traceback(tmp_path, capsys):
     assert main(["check-alignment", "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "nope: model directory not found" in err and "Traceback" not in err
+
+
+def test_a_merged_export_serves_what_base_plus_adapter_trains(tmp_path, capsys):
+    from orbitrl.model import load_model, load_tokenizer
+    from orbitrl.model.adapters import save_adapters, save_merged
+    from orbitrl.model.lora import apply_lora, lora_modules
+
+    src = resolve_model_path("builtin:tiny-arith")
+    model = load_model(src)
+    apply_lora(model, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in lora_modules(model).values():  # B starts at zero: give the adapter an effect
+            m.lora_B.weight.copy_(0.2 * torch.randn(m.lora_B.weight.shape, generator=g))
+    save_adapters(model, tmp_path / "adapter")
+    save_merged(model, tmp_path / "merged",
+                tokenizer=load_tokenizer(src, model.config.vocab_size))
+    adapter = ["--adapter", str(tmp_path / "adapter")]
+    assert main(["check-alignment", *adapter, "--engine-model", str(tmp_path / "merged")]) == 0
+    assert main(["check-alignment", *adapter, "--engine-model", str(src)]) == 1
+    assert "NOT aligned" in capsys.readouterr().out

@@ -6,8 +6,9 @@ top-k agreement, the distributions' L1 distance (mean, max) and the sampled-toke
 gap are printed (observe/alignment.py) and checked against bounds. Exit status 0 when
 aligned, 1 past a bound (each broken bound on its own line), 2 on bad input.
 ``--engine-model`` gives the engine its own copy of the weights from another directory (a
-merged export, what a separate rollout pool would serve); by default both paths share one
-model, as colocated training does.
+merged export of base + adapter, what a separate rollout pool would serve; loaded in
+``--base-dtype``, without ``--adapter``); by default both paths share one model, as
+colocated training does.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def add_arguments(parser):
     parser.add_argument("--adapter", help="PEFT adapter directory applied on both paths")
     parser.add_argument("--base-dtype", default="fp32", choices=FORMATS,
                         help="storage of the frozen base (compute stays fp32)")
-    parser.add_argument("--engine-model", help="load the engine's weights from this "
-                        "directory instead of sharing the trainer's model")
+    parser.add_argument("--engine-model", help="the engine's own weights, from this "
+                        "directory (e.g. a merged export: --base-dtype applies, --adapter "
+                        "does not) instead of sharing the trainer's model")
     parser.add_argument("--prompts", help="JSONL file with a 'prompt' field per line "
                         "(default: 8 short built-in prompts)")
     parser.add_argument("--chat-template", action="store_true")
@@ -79,7 +81,7 @@ def run(args) -> int:
     torch.set_num_threads(1)
     trainer = _load(args.model, args.base_dtype, args.adapter)
     engine = trainer if not args.engine_model else _load(args.engine_model, args.base_dtype,
-                                                         args.adapter)
+                                                         None)
     tok = load_tokenizer(resolve_model_path(args.model), trainer.config.vocab_size)
     bounds = AlignmentBounds(args.max_l1, args.min_topk_agreement, args.max_logprob_gap,
                              args.top_k)
