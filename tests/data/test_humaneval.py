@@ -82,3 +82,19 @@ def test_cli_end_to_end_on_the_builtin_model(tmp_path, capsys):
         assert r["samples"]["n"] == 2 and len(r["samples"]["statuses"]) == 2
     assert set(res["sampled"]) >= {"pass@1", "pass@2", "n", "temperature"}
     assert "humaneval: 2 problems; pass@1 (greedy)" in capsys.readouterr().out
+
+
+def test_chat_mode_judges_the_answer_code_block():
+    from orbitrl.evals.tasks import humaneval_task
+
+    task = humaneval_task(limit=3, chat=True)
+    assert task.stop == ("\n```\n",) and "```python\nfrom typing import List" in task.rows[0]["prompt"]
+    right = ("Here it is:\n```python\nfrom typing import List\n\n"
+             "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+             "    return any(abs(a - b) < threshold for i, a in enumerate(numbers)\n"
+             "               for b in numbers[i + 1:])\n```\nIt compares pairs.")
+    body_only = "```python\n    return number % 1.0\n```"  # the body, continuing the prompt
+    wrong = "```python\ndef truncate_number(number):\n    return number\n```"
+    prose = "The function returns True when two numbers are close."
+    v = task.score([0, 2, 2, 0], [right, body_only, wrong, prose], lambda n: None)
+    assert [x.passed for x in v] == [True, True, False, False], v

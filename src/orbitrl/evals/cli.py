@@ -57,7 +57,7 @@ def run(args) -> int | None:
 
     opts = _options(args)
     torch.set_num_threads(args.threads)
-    task = make_task(args.task, limit=args.limit)
+    task = make_task(args.task, limit=args.limit, chat=args.chat_template)
     for why in task.errors.values():
         print(f"cannot judge: {why}")
     path = resolve_model_path(args.model)

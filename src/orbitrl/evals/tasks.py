@@ -33,11 +33,18 @@ class Task:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def humaneval_task(sandbox_cfg=None, limit: int = 0) -> Task:
-    """HumanEval: the program is the prompt plus the completion; each problem's check runs
+INSTRUCT = ("Complete the following Python function. Reply with the whole function in one "
+            "```python code block.\n\n```python\n{prompt}```")
+
+
+def humaneval_task(sandbox_cfg=None, limit: int = 0, chat: bool = False) -> Task:
+    """HumanEval: the program is the prompt plus the completion (a continuation of the
+    function), or with ``chat`` (an instruct model under its chat template, asked by
+    ``INSTRUCT``) the prompt plus the code block of its answer; each problem's check runs
     here over the values its calls returned in the sandbox (rewards/checkfn.py)."""
     from orbitrl.data.humaneval import STOP, load_problems
     from orbitrl.rewards.checkfn import judge_programs, record_calls
+    from orbitrl.rewards.code import extract_program
     from orbitrl.rewards.sandbox import Sandbox
 
     problems = load_problems()[:limit or None]
@@ -49,7 +56,8 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0) -> Task:
         except OrbitError as e:
             specs.append(None)
             errors[p["task_id"]] = str(e)
-    rows = [{"id": p["task_id"], "prompt": p["prompt"]} for p in problems]
+    rows = [{"id": p["task_id"], "prompt": INSTRUCT.format(prompt=p["prompt"]) if chat
+             else p["prompt"]} for p in problems]
     box: list = []
 
     def score(index: list[int], completions: list[str], progress) -> list[Verdict]:
@@ -61,7 +69,8 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0) -> Task:
             if specs[i] is None:
                 out[j] = Verdict(False, "unjudgeable", errors[rows[i]["id"]])
             else:
-                items.append((specs[i], problems[i]["prompt"] + text))
+                code = "\n" + extract_program(text) if chat else text
+                items.append((specs[i], problems[i]["prompt"] + code))
                 where.append(j)
         progress(len(index) - len(items))
         step = 8 * box[0].workers  # a chunk at a time, so the bar moves
@@ -72,7 +81,8 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0) -> Task:
             progress(len(verdicts))
         return out  # type: ignore[return-value]
 
-    return Task("humaneval", rows, STOP, score, 384, errors)
+    # (chat: the answer ends at its closing fence; prose after it is not code)
+    return Task("humaneval", rows, ("\n```\n",) if chat else STOP, score, 384, errors)
 
 
 def gsm8k_task(path: str | Path | None = None, limit: int = 0) -> Task:
@@ -98,11 +108,12 @@ def gsm8k_task(path: str | Path | None = None, limit: int = 0) -> Task:
     return Task("gsm8k", rows, ("\nQuestion:",), score, 256)
 
 
-def make_task(spec: str, sandbox_cfg=None, limit: int = 0) -> Task | None:
+def make_task(spec: str, sandbox_cfg=None, limit: int = 0, chat: bool = False) -> Task | None:
     """The task a ``--task`` value names (``humaneval``, ``gsm8k``, ``gsm8k:FILE``), or None
-    when it is not one of these (a built-in training task)."""
+    when it is not one of these (a built-in training task). ``chat``: prompts go under the
+    model's chat template (``--chat-template``)."""
     if spec == "humaneval":
-        return humaneval_task(sandbox_cfg, limit)
+        return humaneval_task(sandbox_cfg, limit, chat)
     if spec == "gsm8k" or spec.startswith("gsm8k:"):
         path = spec.split(":", 1)[1] if ":" in spec else None
         if path == "":
