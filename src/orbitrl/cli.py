@@ -1,6 +1,7 @@
-"""``orbitrl`` console script: train | sft | generate | plan | eval | export | report.
+"""``orbitrl`` console script: train | sft | generate | plan | eval | export | report |
+check-alignment.
 
-Each subcommand lives in ``orbitrl.commands.<name>`` with ``add_arguments(parser)`` and
+Each subcommand lives in ``orbitrl.commands.<name>`` (dashes as underscores) with ``add_arguments(parser)`` and
 ``run(args) -> int``; those modules import torch lazily so that ``--help`` is instant.
 Expected errors (:class:`OrbitError`) print one line and exit 2, without a traceback.
 """
@@ -21,6 +22,7 @@ COMMANDS = {
     "eval": "greedy accuracy of a model (plus adapter) on a task or data file",
     "export": "write a run's policy as PEFT adapters or a merged HF directory",
     "report": "plots and an HTML page for a run directory",
+    "check-alignment": "compare the engine's and the trainer's next-token distributions",
 }
 
 
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orbitrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        mod = importlib.import_module(f"orbitrl.commands.{name}")
+        mod = importlib.import_module(f"orbitrl.commands.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.add_arguments(p)
         p.set_defaults(_module=mod)

@@ -232,9 +232,13 @@ class LogSection:
     tensorboard: bool = False
     wandb: bool = False
     progress: bool = True
+    align_every: int = 0  # check-alignment (engine vs trainer distributions) every N steps, logged as align_*; 0 = off; one process only
+    align_prompts: int = 4  # the step's first N prompts are the check's prompt set
 
     def __post_init__(self):
         _require(self, "log", ("every",), lambda v: v >= 1, ">= 1")
+        _require(self, "log", ("align_every",), lambda v: v >= 0, ">= 0 (0 = off)")
+        _require(self, "log", ("align_prompts",), lambda v: v >= 1, ">= 1")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 or `orbitrl eval --run RUN_DIR`: greedy accuracy through the path training evaluates with
 (for a data file, ``exact_match`` against its answer field; for the built-in code task, the
 fraction of tests passed in the sandbox; for a run, the run's own reward, prompt encoding
-and frozen-base format on its held-out rows)."""
+and frozen-base format on its held-out rows). ``--task humaneval`` and ``--task
+gsm8k[:FILE]`` (pass@1 greedy, pass@k from --n samples) run in orbitrl.evals."""
 
 from __future__ import annotations
 
@@ -25,15 +26,23 @@ def add_arguments(parser):
     parser.add_argument("--answer-field", default="answer")
     parser.add_argument("--reward", help="registered reward name (default: the task's own, "
                         "code for --task code, else exact_match)")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="completion cap (default 8; humaneval 384, gsm8k 256)")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each prompt in the model's chat template, as training does "
                         "with data.chat_template: true")
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
+    from orbitrl.evals import cli as suite  # --task humaneval | gsm8k[:FILE]
+
+    suite.add_arguments(parser)
 
 
 def run(args) -> int:
+    from orbitrl.evals import cli as suite
+
+    if (code := suite.run(args)) is not None:  # --task humaneval | gsm8k[:FILE]
+        return code
     import torch
 
     from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows
@@ -42,6 +51,7 @@ def run(args) -> int:
     torch.set_num_threads(1)
     if args.run:
         return _run_of(args)
+    args.max_tokens = args.max_tokens or 8
     task = args.task or "arith"
     name = args.reward or TASK_REWARDS.get(task, "exact_match")
     # one batch through the runner (a batch reward such as ``code`` scores every row in one

@@ -132,22 +132,36 @@ class _Cut(ast.NodeTransformer):
                                     node.args.args + node.args.kwonlyargs])
 
 
-def judge_record(test: AssertTest, stdout: bytes) -> tuple[bool, str]:
-    """(passed, reason) from the harness's record in a run's stdout. The record is the
-    last one the run wrote; a missing or malformed record fails (the program ended
-    before its values were read, or printed over them)."""
+def read_values(stdout: bytes) -> tuple[list[tuple[str, Any]] | None, str]:
+    """The harness's record in a run's stdout as (status, value) per probe, status "ok" or
+    "error" (the value is then the reason); (None, reason) when there is no well-formed
+    record. The record is the last one the run wrote: a missing or malformed one means the
+    program ended before its values were read, or printed over them."""
     at = stdout.rfind(RECORD)
     if at < 0:
-        return False, "no values returned (the program ended before the test ran)"
+        return None, "no values returned (the program ended before the test ran)"
     try:
         raw = json.loads(stdout[at + len(RECORD):].split(b"\n", 1)[0])
-        values = []
+        out = []
         for status, payload in raw:
-            if status != "ok":
-                return False, f"the program's code raised or returned {payload}"[:160]
-            values.append(decode(payload))
+            if status not in ("ok", "error"):
+                raise ValueError(status)
+            out.append((status, decode(payload) if status == "ok" else str(payload)))
     except Exception as e:  # anything the program printed is its own failure only
-        return False, f"malformed values ({type(e).__name__})"
+        return None, f"malformed values ({type(e).__name__})"
+    return out, ""
+
+
+def judge_record(test: AssertTest, stdout: bytes) -> tuple[bool, str]:
+    """(passed, reason) from the harness's record in a run's stdout (see read_values)."""
+    record, why = read_values(stdout)
+    if record is None:
+        return False, why
+    values = []
+    for status, payload in record:
+        if status != "ok":
+            return False, f"the program's code raised or returned {payload}"[:160]
+        values.append(payload)
     if len(values) != len(test.probes):
         return False, f"{len(values)} values for {len(test.probes)} probes"
     env = {f"__p{k}": v for k, v in enumerate(values)}

@@ -201,6 +201,15 @@ class RLTrainer:
             self.overlap.stop()
 
     # ---- the row -------------------------------------------------------------------
+    def _alignment(self, samples) -> dict:
+        """check-alignment every ``log.align_every`` steps (evals/alignment.py), one process."""
+        lg, r = self.cfg.log, self.cfg.rollout
+        if not lg.align_every or self.iteration % lg.align_every or self.coll.enabled:
+            return {}
+        from orbitrl.evals.alignment import training_row
+        return training_row(self.model, self.tok, [s.prompt_ids for s in samples[::r.n]]
+                            [:lg.align_prompts], min(16, r.max_tokens))
+
     def _hand_back(self) -> dict:
         """The rollout's transient (KV growth, sampling) goes back before training; on the
         host the memory probe already trims the heap at each phase, so once per step there."""
@@ -233,6 +242,7 @@ class RLTrainer:
             row.update(self.flops(b.tokens if b else 0, b.scoring_passes if b else 0,
                                   b is not None, ro.timeline, seconds, ro.seconds, step_s,
                                   waited))
+        row.update(self._alignment(ro.samples))
         if self.overlap is not None:
             self.overlap.trained(self.iteration + 1, self.step_idx)
             self._last_step_end = time.perf_counter()
