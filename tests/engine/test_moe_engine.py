@@ -5,19 +5,9 @@ import pytest
 import torch
 
 import orbitrl
-from hf_helpers import GREEDY, MOE_CONFIGS, random_prompts
+from hf_helpers import GREEDY, MOE_CONFIGS, hf_greedy as _hf_greedy, random_prompts
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.model import moe
-
-
-def _hf_greedy(hf, prompt, n):
-    ids = torch.tensor([prompt])
-    r = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                    max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                    output_logits=True, return_dict_in_generate=True)
-    toks = r.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(r.logits, toks)]
-    return toks, lps
 
 
 @pytest.mark.parametrize("family", list(MOE_CONFIGS))
