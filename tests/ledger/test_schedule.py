@@ -1,11 +1,15 @@
-"""Schedule simulator properties: the long tail, pool shapes, staleness."""
+"""Schedule simulator properties: the long tail, pool shapes, staleness, async's costs, and
+the source material's 64-card measurements."""
 
+import doctest
 import math
 from dataclasses import replace
 
 import pytest
 
-from orbitrl.ledger.schedule import LengthDist, StepWork, compare, rollout_makespan, simulate
+from orbitrl.ledger import schedule
+from orbitrl.ledger.schedule import (LengthDist, StepWork, balance_ratio, compare, measured_split,
+                                      rollout_makespan, simulate)
 
 
 def work(tail_fraction: float, sync_s: float = 1.0) -> StepWork:
@@ -62,11 +66,6 @@ def test_bad_shape():
 
 
 # --- first-come-first-served admission, the source material's table, async's costs ---------
-
-import doctest  # noqa: E402
-
-from orbitrl.ledger import schedule  # noqa: E402
-from orbitrl.ledger.schedule import balance_ratio, measured_split  # noqa: E402
 
 # The third article's 64-card phases (seconds) and what it measures per shape.
 ARTICLE = {"generation": 602.0, "tail": 196.0, "score": 72.0, "train": 136.0}
