@@ -184,7 +184,7 @@ class StepTime:
         return asdict(self)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1024)
 def _slot_ends(lengths: tuple[int, ...], slots: int) -> tuple[int, ...]:
     """Each slot's finishing iteration, admitting ``lengths`` first come, first served."""
     if len(lengths) <= slots:
