@@ -25,6 +25,8 @@ def test_json_contract(capsys):
     assert doc["phases"]["train"]["terms"]["actor:weights"] == 20e9
     assert {e["role"] for e in doc["execution"]} >= {"actor", "reference", "reward"}
     assert set(doc["schedule"]["shapes"]) == {"colocated", "separated", "one_step", "async"}
+    a = doc["schedule"]["shapes"]["async"]
+    assert a["reprefill_s"] > 0 and a["proximal_s"] == 0  # scoring's old-logprob pass is proximal
 
 
 def test_json_adamw_does_not_fit(capsys):
@@ -56,7 +58,8 @@ def test_known_model_and_dir(capsys, tmp_path):
 def test_human_tables(capsys):
     assert main(BASE + ["--params", "1e12", "--strategy", "stateless"]) == 0
     out = capsys.readouterr().out
-    for text in ("FITS", "memory by phase", "execution plan", "bytes moved", "step time"):
+    for text in ("FITS", "memory by phase", "execution plan", "bytes moved", "step time",
+                 "async pays: re-prefill"):
         assert text in out
 
 

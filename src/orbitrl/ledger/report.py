@@ -67,6 +67,11 @@ def _schedule(doc: dict) -> str:
     b = sch["breakdown"]
     tail = (f"colocated step {b['step_s']:.1f} s = rollout {b['rollout_s']:.1f} + score "
             f"{b['score_s']:.1f} + train {b['train_s']:.1f} + exposed comm {b['exposed_comm_s']:.1f}")
+    a = sch["shapes"].get("async")
+    if a and "reprefill_s" in a:
+        tail += (f"\nasync pays: re-prefill {a['reprefill_s']:.2f} s (rollout pool), proximal pass "
+                 f"{a['proximal_s']:.2f} s (training pool), staleness wait {a['wait_s']:.2f} s, "
+                 f"dropped {100 * a['dropped_share']:.1f}%")
     if sch.get("balance"):
         tail += (f"\nbalanced pools (async): {sch['balance']['rollout_devices']} rollout : "
                  f"{sch['balance']['train_devices']} training devices")

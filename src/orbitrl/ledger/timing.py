@@ -84,8 +84,9 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
                    devices: int, tp: int, replicated: bool = False) -> dict:
     """Transfers per device per step and the compute they hide behind (no schedule).
 
-    Returns ``{"transfers", "exposed_s", "train_s", "score_s", "micro_steps", "tokens",
-    "lengths", "sync"}``; ``train_s``/``score_s`` are per-device compute seconds.
+    Returns ``{"transfers", "exposed_s", "train_s", "score_s", "forward_s", "micro_steps",
+    "tokens", "lengths", "sync"}``; ``train_s``/``score_s`` are per-device compute seconds,
+    ``forward_s`` the device-seconds of one policy forward over the step's tokens.
     """
     n, roles = devices, options.roles
     dp = max(1, n // tp)
@@ -143,7 +144,8 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
     frac = shape.changed_fraction if options.changed_fraction is None else options.changed_fraction
     sync = sync_transfer(mode, st.weights, 2 * adapter, frac, links, senders=max(1, n // 2))
     return {"transfers": t, "exposed_s": sum(x.exposed for x in t), "train_s": train_s,
-            "score_s": score_s, "micro_steps": micro, "tokens": tokens, "lengths": lengths,
+            "score_s": score_s, "forward_s": fwd, "micro_steps": micro, "tokens": tokens,
+            "lengths": lengths,
             "sync": sync}
 
 
@@ -171,7 +173,10 @@ def step_timing(shape: ModelShape, strategy: Strategy, work: Workload, links: Li
     decode_s = read / (links.hbm_gbps * 1e9)
     if roles.offload >= 2:
         decode_s += st.weights / n / (links.host_gbps * 1e9)
-    step = StepWork(lengths, slots, decode_s, score_s * n, train_s * n, sync.seconds, exposed * n)
+    # scoring's first forward recomputes the sampling policy's logprobs (async's proximal pass)
+    step = StepWork(lengths, slots, decode_s, score_s * n, train_s * n, sync.seconds, exposed * n,
+                    prompt_len=work.prompt_len, forward_device_s=bw["forward_s"],
+                    scoring_recomputes=True)
     shapes = compare(step, n, options.staleness)
     colo = shapes["colocated"]
     ratio = balance_ratio(shapes)
