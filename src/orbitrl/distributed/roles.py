@@ -11,6 +11,7 @@ rank; the weights travel over a second group of the leader and the rollout ranks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -77,8 +78,9 @@ def assign_roles(cfg, dist: Dist) -> Roles | None:
     R = cfg.schedule.rollout_ranks
     train = list(range(dist.world - R))
     rollout = list(range(dist.world - R, dist.world))
-    sync = torch.distributed.new_group([LEADER] + rollout)
-    ctrl = torch.distributed.new_group(list(range(dist.world)), backend="gloo")
+    wait = timedelta(seconds=dist.timeout_s)  # (a group's own; the default's is not inherited)
+    sync = torch.distributed.new_group([LEADER] + rollout, timeout=wait)
+    ctrl = torch.distributed.new_group(list(range(dist.world)), backend="gloo", timeout=wait)
     train_dist = Dist(timeout_s=dist.timeout_s)  # one training rank (check_schedule)
     return Roles(cfg.schedule.shape, dist.rank, dist.world, rollout, train,
                  dist.timeout_s, train_dist, sync, ctrl)

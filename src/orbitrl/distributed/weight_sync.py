@@ -188,8 +188,9 @@ class WeightSync:
         """Write (flat index, value) pairs into the parameters (indices ascending)."""
         which = torch.searchsorted(self.offsets.to(idx.device), idx, right=True) - 1
         for k in which.unique().tolist():
-            sel = which == k
-            self.params[k].data.view(-1)[idx[sel] - int(self.offsets[k])] = vals[sel]
+            sel, p = which == k, self.params[k].data
+            flat = idx[sel] - int(self.offsets[k])  # row-major, whatever p's strides
+            p[torch.unravel_index(flat, p.shape)] = vals[sel]
 
     # ---- the two ends -------------------------------------------------------------------
     def send(self, version: int, announce) -> SyncStats:
