@@ -11,8 +11,11 @@ training, gloo). Per run the table gives held-out accuracy before -> after, the 
 staleness logged (asserted <= schedule.max_staleness), and the mean measured step time
 (``time_step_s``) against the mean of the planner's prediction for that step
 (``time_step_predicted_s``, ``observe/schedule.py``), skipping the first 3 steps (warm-up).
-The long-tailed workload: temperature 1.5 and rollout.max_tokens 48 at the untrained start,
-so most completions stop after a few tokens and a few run to the cap.
+The ``tail`` workload was meant to be long-tailed (temperature 1.5, rollout.max_tokens 48);
+measured, the built-in model's completions stay about 5 tokens with none truncated, so it is
+not: a long-tailed workload still needs a task whose answers vary in length.
+The ``learn`` workload (200 steps or 100 s per run) did not fit the time available on the
+shared machine and has not been run to completion.
 """
 
 from __future__ import annotations
