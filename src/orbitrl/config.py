@@ -114,7 +114,7 @@ class RolloutSection:
     block_size: int = 16
     timeout_s: float = 300.0  # watchdog: a rollout past this drops its unfinished samples
     overlap: bool = False  # one step off-policy: rollout of step k+1 runs beside training k
-    queue_size: int = 1  # overlap: rollouts generated ahead of training at most (staleness)
+    queue_size: int = 1  # overlap, and schedule.shape async: rollouts generated ahead of training at most (the data queue's bound)
 
     def __post_init__(self):
         _require(self, "rollout", ("kv_budget_mb", "min_available_mb"), lambda v: v >= 0,
@@ -227,6 +227,24 @@ class DistSection:
 
 
 @dataclass
+class ScheduleSection:
+    """Roles over ranks (docs/pools.md): who generates, who trains, how weights and samples
+    move between them. ``colocated`` is one pool doing both, as without this section."""
+    shape: Literal["colocated", "separated", "one_step", "async"] = "colocated"  # separated: rollout ranks generate step k while training ranks wait, then train while they wait; one_step: rollout of step k+1 beside training of step k; async: rollout never waits for a whole step, weights swap between engine steps
+    rollout_ranks: int = 1  # ranks that run the engine (the last ones); the others train (FSDP2 among them)
+    max_staleness: int = 8  # a sample is trained at most this many policy versions after its oldest token was sampled
+    stale_policy: Literal["wait", "drop"] = "wait"  # wait: prompts are not handed out until their samples cannot exceed max_staleness; drop: handed out rollout.queue_size steps ahead and groups past the bound dropped (counted as stale_dropped_groups)
+    partial: Literal["continue", "cut"] = "continue"  # a sample in flight at a weight update: continue on its KV under the new weights, or cut (KV dropped) and resumed by re-prefill under them; either way each token carries its version
+    sync_bucket_mb: float = 512.0  # full mode: weights stream in buckets of this size, at most two in flight
+    sync_delta: bool = False  # full mode: send only the elements that changed since the last sync (index + value)
+
+    def __post_init__(self):
+        _require(self, "schedule", ("rollout_ranks",), lambda v: v >= 1, ">= 1")
+        _require(self, "schedule", ("max_staleness",), lambda v: v >= 1, ">= 1")
+        _require(self, "schedule", ("sync_bucket_mb",), lambda v: v > 0, "> 0")
+
+
+@dataclass
 class LogSection:
     every: int = 1  # a metrics row (metrics.jsonl, TensorBoard, wandb) every N steps
     tensorboard: bool = False
@@ -265,6 +283,7 @@ class Config:
     reward: RewardSection = field(default_factory=RewardSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
     log: LogSection = field(default_factory=LogSection)
     moe: MoeSection = field(default_factory=MoeSection)
 

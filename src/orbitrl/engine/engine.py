@@ -249,6 +249,33 @@ class Engine:
                                for s in sorted(seqs, key=lambda s: s.sample)]
         return outs
 
+    def begin_stream(self) -> None:
+        """Start a stream of requests added one at a time (``add_request``, then ``step``
+        until each finishes), as ``generate`` starts a batch: a rollout rank of separate
+        pools keeps one stream for the whole run."""
+        self.pool.reset_prefix_cache()
+        self.stop_fn, self._done, self.timeline = None, {}, []
+        self.decode.reset()
+        self.decode_runner.begin(_adapter_signature(self.model))
+
+    def weights_changed(self, recompute: bool) -> int:
+        """The weights were replaced between two steps. Cached prefixes are stale; with
+        ``recompute`` every unfinished sample drops its KV and is re-prefilled (prompt and
+        tokens so far) under the new weights, else it continues on the KV it has. Returns
+        the samples cut."""
+        self.pool.reset_prefix_cache()
+        self.decode.reset()
+        if not recompute:
+            return 0
+        sch = self.scheduler
+        cut = sch.running + sch.swapped
+        for seq in cut:
+            self.pool.free_seq(seq)
+            seq.swap = None
+            sch.add(seq)
+        sch.running, sch.swapped = [], []
+        return len(cut)
+
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One forward over a scheduled batch; returns the sequences that finished. Pure

@@ -26,7 +26,10 @@ PLOTS = [
     ("tokens", "Rollout tokens/s", lambda k: k == "tokens_per_s"),
     ("update", "Update size relative to the weights", lambda k: k == "update_rel"),
     ("staleness", "Staleness of the samples (optimizer steps)",
-     lambda k: k in ("staleness_mean", "staleness_max")),
+     lambda k: k in ("staleness_mean", "staleness_max", "staleness_token_mean")),
+    ("schedule", "Step time, measured vs the planner's prediction (s)",
+     lambda k: k in ("time_step_s", "time_step_predicted_s", "time_sync_s",
+                     "time_wait_rollout_s")),
     ("kv_pool", "KV pool: blocks, throttle and grow events",
      lambda k: k in ("kv_blocks", "kv_throttle_events", "kv_grow_events")),
     ("alignment", "Engine vs trainer (check-alignment, log.align_every)",
@@ -84,7 +87,8 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         fig.savefig(out / f"{name}.png", dpi=90)
         plt.close(fig)
         images.append((f"{name}.png", title))
-    phases = [k for k in keys if k.startswith("time_") and k.endswith("_s")]
+    phases = [k for k in keys if k.startswith("time_") and k.endswith("_s")
+              and "_predicted" not in k]
     mem_phases = [k for k in keys if k.startswith("mem_") and k.endswith("_measured_bytes")]
     if mem_phases:
         fig, ax = plt.subplots(figsize=(7, 3.2))

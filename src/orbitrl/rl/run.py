@@ -44,19 +44,29 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     ``dist``: this process's :class:`orbitrl.distributed.env.Dist` under torchrun (every rank
     runs this function; rank 0 alone writes metrics, summary and the final policy)."""
     from orbitrl.distributed.collective import Collective
+    from orbitrl.distributed.roles import assign_roles
     from orbitrl.rl.checkpoint import Checkpointer
     from orbitrl.rl.trainer import RLTrainer
 
-    coll = Collective(dist)
-    echo = echo if coll.is_main else _quiet
+    roles = assign_roles(cfg, dist) if dist is not None else None
+    world = dist.world if dist is not None else 1
     check_rewards(cfg)  # fail on a bad name before loading
     train_rows, held = load_data(cfg)
+    if roles is not None:  # separate pools: rollout ranks serve the leader, then leave
+        if roles.is_rollout:
+            from orbitrl.rl.pool_worker import run_rollout_rank
+
+            run_rollout_rank(cfg, roles, train_rows)
+            return {}
+        dist = roles.train_dist
+    coll = Collective(dist)
+    echo = echo if coll.is_main else _quiet
     run_dir.mkdir(parents=True, exist_ok=True)
     if coll.is_main:
         save_config(cfg, run_dir / "config.yaml")
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=coll.dist)
     clock = RunClock()
-    trainer = RLTrainer(cfg, train_rows, held, dist=coll.dist)
+    trainer = RLTrainer(cfg, train_rows, held, dist=coll.dist, roles=roles)
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
@@ -70,9 +80,27 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     after = evaluate_after(trainer, held, start)
     save_policy(trainer, run_dir / "checkpoints" / "final")
     summary = run_summary(trainer, start, after, stopped, clock, coll)
+    summary.update(schedule_summary(trainer, cfg, world, echo))
     if coll.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def schedule_summary(trainer, cfg: Config, world: int, echo) -> dict:
+    """The shape and the rank split the measured rates propose (printed, and kept)."""
+    from orbitrl.observe.schedule import balance_line
+
+    s = cfg.schedule
+    rollout = s.rollout_ranks if s.shape != "colocated" else world
+    out = {"schedule_shape": s.shape, "world_size": world}
+    if trainer.predictor is None:
+        return out
+    props = {n: trainer.predictor.balance(n) for n in sorted({world, 8} - {1})}
+    for n, b in props.items():
+        echo(balance_line(b, s.shape, rollout, world) if n == world else
+             f"  at {n} ranks: rollout:training = {b['rollout']}:{b['train']}" if b else "")
+    out["balance"] = {str(n): b for n, b in props.items()}
+    return out
 
 
 def check_rewards(cfg: Config):
@@ -142,7 +170,7 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
     if start.rewards is None:  # every step's mean reward: the summary's averages
         start.rewards = [r["reward_mean"] for r in log.kept]
     stop = _StopSignals()
-    if not coll.enabled and not cfg.rollout.overlap:
+    if not coll.enabled and not cfg.rollout.overlap and trainer.pool is None:
         # a stop request abandons the step in flight (minutes on a real model on CPUs);
         # overlapped, the producer is cancelled on close and the trained step finishes
         trainer.should_stop = lambda: stop.signal is not None

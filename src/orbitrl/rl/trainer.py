@@ -65,7 +65,9 @@ class RLTrainer:
     """Holds the run's state (policy, engine, optimizer, anchors, guards, data position)."""
 
     def __init__(self, cfg: Config, train_rows: list[dict], heldout_rows: list[dict],
-                 dist: Dist | None = None):
+                 dist: Dist | None = None, roles=None):
+        # roles: separate pools (distributed/roles.py); ``dist`` is then the training pool's
+        self.roles = roles
         self.cfg, self.coll = cfg, Collective(dist)  # one process unless under torchrun
         self.dist = self.coll.dist
         seed_everything(cfg.train.seed, cfg.train.deterministic)
@@ -128,6 +130,8 @@ class RLTrainer:
         self.overlap = None  # the producer thread (rollout.overlap), started at the first step
         self.resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._last_step_end: float | None = None
+        self.pool, self._pool_row = self._pools(), {}
+        self.predictor = self._predictor()
         # polled between decode steps and micro-batches: True abandons the step in flight
         # (run.py sets it from SIGTERM on one process; ranks under torchrun stop together
         # at step boundaries instead, since a rank leaving mid-step would hang the others)
@@ -136,6 +140,32 @@ class RLTrainer:
                                              devices=self.coll.world)
         self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
                         self.critic, self.critic_opt)
+
+    def _pools(self):
+        """The leader's side of separate pools (None: colocated)."""
+        if self.roles is None:
+            return None
+        from orbitrl.distributed.channel import Channel
+        from orbitrl.rl.pools import PoolRollouts
+
+        return PoolRollouts(self.cfg, self.roles, self.data, self.model,
+                            Channel(self.roles.ctrl_group, self.roles.timeout_s))
+
+    def _predictor(self):
+        """The planner's step time beside the measured one (not for the in-process
+        overlap: the simulator's one_step shape needs two devices)."""
+        from orbitrl.observe.schedule import StepPredictor
+
+        if self.cfg.rollout.overlap:
+            return None
+        s = self.cfg.schedule
+        if self.roles is None:
+            return StepPredictor("colocated", self.coll.world, self.coll.world, 1,
+                                 self.engine.scheduler.max_num_seqs)
+        from orbitrl.rl.pools import steps_ahead
+
+        return StepPredictor(s.shape, self.roles.world, len(self.roles.rollout_ranks),
+                             steps_ahead(self.cfg), self.engine.scheduler.max_num_seqs)
 
     def encode(self, text: str) -> list[int]:  # as data.chat_template says
         return encode_prompt(self.tok, text, self.cfg.data.chat_template)
@@ -152,7 +182,7 @@ class RLTrainer:
     def step(self) -> dict:
         """One RL step: rollout, score, update; the metrics row."""
         t_step, timer = time.perf_counter(), self.mem.timer()  # (timer: phase peaks too)
-        position = None if self.cfg.rollout.overlap else self.data.position()
+        position = None if self.cfg.rollout.overlap or self.pool else self.data.position()
         try:
             ro, waited, t_step = self.rollout(timer, t_step)
             back = self._hand_back()
@@ -169,6 +199,8 @@ class RLTrainer:
         """The step's judged rollout: drawn now, or (``rollout.overlap``) the one the
         producer thread made beside the previous step's training. Returns it, the seconds
         waited for it (overlapped) and when the step began."""
+        if self.pool is not None:
+            return self._pool_rollout(timer, t_step)
         if not self.cfg.rollout.overlap:
             ro = self.rollouts(self.step_idx, self.step_idx, self.should_stop, StepAbandoned,
                                timer, eval_mode=True)
@@ -184,6 +216,18 @@ class RLTrainer:
         self.data.trained(ro.data_after)
         return ro, waited, self._last_step_end or t_step
 
+    def _pool_rollout(self, timer, t_step: float):
+        """The step's samples from the rollout ranks (the first call sends them the
+        weights), judged here."""
+        self._pool_row = self.pool.push(self.step_idx)
+        ro, waited, row = self.pool.get(self.iteration, self.step_idx)
+        self._pool_row.update(row)
+        self.data.trained(ro.data_after)
+        generated = ro.seconds
+        ro = self.scorer.judge(ro, timer)
+        ro.seconds = {**generated, **ro.seconds}
+        return ro, waited, t_step
+
     def update(self, sc: StepScore, timer) -> Update:
         """Train on the scored batch; then the policy version, anchors and KL coefficient."""
         if sc.batch is None:
@@ -192,13 +236,19 @@ class RLTrainer:
             upd = self.updater(sc.batch, self.step_idx, self.should_stop)
         if upd.applied:
             self.step_idx += 1
+            if self.pool is not None:  # the new version to the rollout ranks
+                upd.metrics.update(self.pool.push(self.step_idx))
         upd.metrics.update(self.scorer.after_update(self.step_idx, upd.metrics.get("kl", 0.0)))
         return upd
 
     def close(self):
-        """Stop the overlapped mode's producer thread (before evaluation or exit)."""
+        """Stop the overlapped mode's producer thread, or the rollout ranks (before
+        evaluation or exit)."""
         if self.overlap is not None:
             self.overlap.stop()
+        if self.pool is not None:
+            self.pool.stop()
+            self.pool = None
 
     # ---- the row -------------------------------------------------------------------
     def _alignment(self, samples) -> dict:
@@ -209,6 +259,18 @@ class RLTrainer:
         from orbitrl.evals.alignment import training_row
         return training_row(self.model, self.tok, [s.prompt_ids for s in samples[::r.n]]
                             [:lg.align_prompts], min(16, r.max_tokens))
+
+    def _predicted(self, ro: Rollout, seconds: dict, row: dict) -> dict:
+        """The planner's step time from the measured rates (observe/schedule.py)."""
+        if self.predictor is None:
+            return {}
+        if self.pool is not None or "rollout_engine_step_s" in row:
+            decode = row.get("rollout_engine_step_s", 0.0)
+        else:
+            decode = sum(t for _, _, t in ro.timeline) / max(1, len(ro.timeline))
+        return self.predictor([len(s.completion_ids) for s in ro.samples], decode,
+                              seconds.get("score", 0.0) + seconds.get("reward", 0.0),
+                              seconds.get("train", 0.0), row.get("time_sync_s", 0.0))
 
     def _hand_back(self) -> dict:
         """The rollout's transient (KV growth, sampling) goes back before training; on the
@@ -224,6 +286,7 @@ class RLTrainer:
         if waited is not None:
             row["time_wait_rollout_s"] = waited
         row.update(back)
+        row.update(self._pool_row)
         row.update(sc.metrics)
         if sc.batch is not None:
             row.update(sc.batch.metrics)
@@ -242,6 +305,7 @@ class RLTrainer:
             row.update(self.flops(b.tokens if b else 0, b.scoring_passes if b else 0,
                                   b is not None, ro.timeline, seconds, ro.seconds, step_s,
                                   waited))
+            row.update(self._predicted(ro, seconds, row))
         row.update(self._alignment(ro.samples))
         if self.overlap is not None:
             self.overlap.trained(self.iteration + 1, self.step_idx)

@@ -11,7 +11,9 @@ class Sample:
 
     ``rollout_logprobs[j]`` is the log-probability the engine sampled ``completion_ids[j]``
     with (same temperature as the trainer's recomputation); ``policy_version`` is the
-    optimizer step the sampling weights came from.
+    optimizer step the sampling weights came from (with separate pools, that of the oldest
+    token: a sample in flight at a weight update continues under the new weights, and
+    ``token_versions`` holds each token's).
     """
     group: int                   # index of the prompt within the step
     prompt_ids: list[int]
@@ -23,6 +25,7 @@ class Sample:
     policy_version: int = 0
     reward: float = 0.0
     routing: object = None  # mixtures: [S, prompt + completion, k] experts the engine used
+    token_versions: list | None = None  # separate pools: the policy version of each token
 
     @property
     def truncated(self) -> bool:

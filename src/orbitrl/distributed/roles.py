@@ -1,0 +1,86 @@
+"""Roles over ranks (``schedule.shape`` other than colocated): the last
+``schedule.rollout_ranks`` ranks run the engine, the others train.
+
+Rank 0 is always a training rank and the *leader*: it owns the data cursor and the
+checkpoints, hands prompts out to the rollout ranks, receives their samples and streams the
+weights back to them (``channel.py``, ``weight_sync.py``). The training ranks form their own
+process group, so the trainer's collectives (FSDP2, reductions) never wait on a rollout
+rank; the weights travel over a second group of the leader and the rollout ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from orbitrl.distributed.env import Dist
+from orbitrl.errors import OrbitError
+
+LEADER = 0
+
+
+@dataclass
+class Roles:
+    """This process's role and the groups it needs.
+
+    ``train_dist``: the training pool as a :class:`Dist` (one process: ``world == 1``);
+    ``sync_group``: the leader and the rollout ranks (weight broadcasts, the run's backend);
+    ``ctrl_group``: every rank over gloo (orders and samples, ``channel.py``)."""
+    shape: str
+    rank: int
+    world: int
+    rollout_ranks: list[int]
+    train_ranks: list[int]
+    timeout_s: float
+    train_dist: Dist = field(default_factory=Dist)
+    sync_group: object = None
+    ctrl_group: object = None
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank in self.rollout_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == LEADER
+
+
+def check_schedule(cfg, world: int):
+    """Shapes refused before anything loads (one-line errors naming the key)."""
+    s = cfg.schedule
+    if s.shape == "colocated":
+        return
+    if world < 2:
+        raise OrbitError(f"config key 'schedule.shape': {s.shape} needs at least 2 ranks "
+                         "(launch with torchrun --nproc_per_node N)")
+    if s.rollout_ranks >= world:
+        raise OrbitError(f"config key 'schedule.rollout_ranks': {s.rollout_ranks} leaves no "
+                         f"training rank among {world}")
+    if cfg.rollout.overlap:
+        raise OrbitError("config key 'rollout.overlap': the in-process overlap is for "
+                         "schedule.shape colocated (one_step is its form across ranks)")
+    if cfg.train.tiers:
+        raise OrbitError("config key 'train.tiers': one process only")
+    if world - s.rollout_ranks > 1:
+        raise OrbitError(f"config key 'schedule.rollout_ranks': {s.rollout_ranks} of {world} "
+                         "ranks leaves a training pool of several ranks; separated pools "
+                         "train on one rank at present (set rollout_ranks to world - 1)")
+
+
+def assign_roles(cfg, dist: Dist) -> Roles | None:
+    """This rank's role (None: colocated, every rank does everything). Every rank calls it
+    (creating a process group is a collective)."""
+    check_schedule(cfg, dist.world)
+    if cfg.schedule.shape == "colocated":
+        return None
+    R = cfg.schedule.rollout_ranks
+    train = list(range(dist.world - R))
+    rollout = list(range(dist.world - R, dist.world))
+    wait = timedelta(seconds=dist.timeout_s)  # (a group's own; the default's is not inherited)
+    sync = torch.distributed.new_group([LEADER] + rollout, timeout=wait)
+    ctrl = torch.distributed.new_group(list(range(dist.world)), backend="gloo", timeout=wait)
+    train_dist = Dist(timeout_s=dist.timeout_s)  # one training rank (check_schedule)
+    return Roles(cfg.schedule.shape, dist.rank, dist.world, rollout, train,
+                 dist.timeout_s, train_dist, sync, ctrl)

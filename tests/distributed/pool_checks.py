@@ -1,0 +1,108 @@
+"""Run by test_pools.py on 2 ranks (gloo): rank 0 is the training leader, rank 1 a rollout
+rank. Each check exits non-zero on a mismatch."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as td
+
+from orbitrl.distributed.channel import WEIGHTS, Channel
+from orbitrl.distributed.weight_sync import WeightSync, synced
+
+
+def _policy(mode: str):
+    from orbitrl.config import load_config
+    from orbitrl.rl.policy import build_policy
+
+    cfg = load_config(overrides=[f"train.mode={mode}", "model.base_dtype=fp32"])
+    torch.manual_seed(0)
+    return build_policy(cfg, torch.device("cpu")).model
+
+
+def _sync(model, bucket: int, delta: bool, ch: Channel, group, rank: int, edits):
+    """Three versions from rank 0 to rank 1; ``edits(params, v)`` changes rank 0's weights
+    before version v. Returns each version's stats on this rank."""
+    ws = WeightSync(synced(model), group, 0, bucket, delta)
+    out = []
+    for v in range(3):
+        if rank == 0:
+            with torch.no_grad():
+                edits(ws.params, v)
+
+            def announce(kind, count):
+                ch.send_header(1, WEIGHTS, v, kind, count)
+            out.append(ws.send(v, announce))
+        else:
+            _, ver, kind, count = ch.wait(0)
+            out.append(ws.receive(ver, kind, count))
+        # both sides now hold the same version, bit for bit
+        flat = torch.cat([p.detach().reshape(-1) for p in ws.params])
+        both = [torch.zeros_like(flat), torch.zeros_like(flat)]
+        td.all_gather(both, flat, group=group)
+        assert torch.equal(both[0], both[1]), f"version {v} differs after the sync"
+    return ws, out
+
+
+def check_adapter_bytes(rank, ch, group):
+    """Adapter mode moves the LoRA tensors only: bytes == the adapters' size."""
+    model = _policy("adapter")
+    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if "lora_" in n)
+    assert lora > 0
+
+    def edit(params, v):
+        for p in params:
+            p.add_(0.01 * (v + 1))
+    ws, stats = _sync(model, 512 << 20, False, ch, group, rank, edit)
+    assert all("lora_" in n for n in ws.names), ws.names[:3]
+    assert [s.bytes for s in stats] == [lora] * 3, ([s.bytes for s in stats], lora)
+    assert all(s.buckets == 1 for s in stats)
+
+
+def check_full_buckets(rank, ch, group):
+    """Full mode in small buckets: every weight once per version, split in several
+    buckets (two in flight)."""
+    model = _policy("full")
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def edit(params, v):
+        for p in params:
+            p.mul_(1.0 + 1e-3 * (v + 1))
+    ws, stats = _sync(model, 256 << 10, False, ch, group, rank, edit)
+    assert [s.bytes for s in stats] == [total] * 3
+    assert stats[0].buckets == len(ws.groups) >= 3, stats[0].buckets
+
+
+def check_full_delta(rank, ch, group):
+    """Delta sync: the first version in full, then only the changed elements (1% here,
+    a column-major head included), bytes = elements x (8 + 4)."""
+    model = _policy("full")
+    n = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(1)
+
+    def edit(params, v):
+        if v == 0:
+            return
+        for p in params:
+            m = torch.rand(p.shape, generator=gen) < 0.01
+            p.add_(m.to(p.dtype) * 0.5)
+    ws, stats = _sync(model, 64 << 10, True, ch, group, rank, edit)
+    assert stats[0].kind == "full" and stats[0].bytes == 4 * n
+    for s in stats[1:]:
+        assert s.kind == "delta" and 0 < s.changed < 0.02 * n, (s.changed, n)
+        assert s.bytes == 12 * s.changed
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    td.init_process_group("gloo")
+    rank = td.get_rank()
+    group = td.new_group([0, 1])
+    ch = Channel(td.new_group([0, 1], backend="gloo"), 60)
+    for name in sys.argv[1:]:
+        globals()[f"check_{name}"](rank, ch, group)
+        print(f"rank {rank}: {name} ok", flush=True)
+    td.barrier()
+    td.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Separate pools on 2 ranks (rank 0 trains, rank 1 generates): weight sync bytes and
+exactness, a short async run's staleness bound and per-token versions read from
+metrics.jsonl, and SIGKILL of either role followed by --resume."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import TIMEOUT_S, metrics, rank_env, train, train_args
+
+import launch
+from orbitrl.config import load_config
+from orbitrl.distributed.roles import check_schedule
+from orbitrl.errors import OrbitError
+
+CHECKS = Path(__file__).with_name("pool_checks.py")
+
+
+def test_bad_shapes_are_one_line_errors():
+    with pytest.raises(OrbitError, match="schedule.shape.*at least 2 ranks"):
+        check_schedule(load_config(overrides=["schedule.shape=async"]), 1)
+    with pytest.raises(OrbitError, match="schedule.rollout_ranks.*no training rank"):
+        check_schedule(load_config(overrides=["schedule.shape=separated",
+                                              "schedule.rollout_ranks=2"]), 2)
+    with pytest.raises(OrbitError, match="rollout.overlap"):
+        check_schedule(load_config(overrides=["schedule.shape=async",
+                                              "rollout.overlap=true"]), 2)
+    check_schedule(load_config(), 1)  # colocated: anything goes
+
+
+def test_weight_sync_adapter_full_delta():
+    """Adapter bytes == adapter size; full mode moves the model once per version in
+    several buckets; delta moves the changed elements only; both sides bit-equal."""
+    res = launch.run([sys.executable, str(CHECKS), "adapter_bytes", "full_buckets",
+                      "full_delta"], 2, TIMEOUT_S, env=rank_env())
+    for r in res:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
+        assert "full_delta ok" in r.stdout
+
+
+def pool_args(model, steps, *extra):
+    return train_args(model, "adapter", steps, "schedule.shape=async", "rollout.queue_size=3",
+                      "schedule.max_staleness=2", "schedule.partial=cut", *extra)
+
+
+def test_async_run_respects_the_staleness_bound(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    res = train(pool_args(tiny_llama, 6), 2, run)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(6))
+    assert all(r["staleness_max"] <= 2 for r in rows), [r["staleness_max"] for r in rows]
+    assert max(r["staleness_max"] for r in rows) == 2  # the queue does run ahead
+    assert all(r["queue_ahead"] == 2 for r in rows)  # min(queue_size 3, bound 2)
+    # the adapters move at each version, nothing else (rank 1 built the same adapters)
+    from orbitrl.rl.policy import build_policy
+    import torch
+
+    cfg = load_config(overrides=[a for a in pool_args(tiny_llama, 6)[1:] if a != "--set"])
+    lora = sum(p.numel() * p.element_size() for p in
+               build_policy(cfg, torch.device("cpu")).trainable)
+    assert {r["sync_bytes"] for r in rows} == {lora}
+    assert [r["sync_version"] for r in rows] == [r["policy_version"] for r in rows]
+    assert all(r["time_step_predicted_s"] > 0 for r in rows)
+    assert "balance: measured rates propose rollout:training" in res[0].stdout
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_sigkill_either_role_then_resume(tiny_llama, tmp_path, victim):
+    """Rank 1 (rollout) or rank 0 (training) is killed after a checkpoint: the survivor
+    exits with a one-line error (the rollout rank's death within dist.timeout_s), and
+    --resume continues with every step logged exactly once."""
+    run, steps = tmp_path / "run", 5
+    args = pool_args(tiny_llama, steps, "checkpoint.every=1", "dist.timeout_s=20")
+    procs = launch.start(launch.orbitrl_argv(*args, "--out", str(run)), 2, env=rank_env())
+    latest = run / "checkpoints" / "latest"
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not (latest.exists() and latest.read_text().strip() >= "step-000002"):
+            assert all(p.poll() is None for p in procs), "a rank exited before the kill"
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.05)
+        launch.kill(procs[victim], signal.SIGKILL)
+        t_kill = time.monotonic()
+        other = procs[1 - victim]
+        while other.poll() is None:
+            assert time.monotonic() - t_kill < 20 + 30, "the survivor is still waiting"
+            time.sleep(0.05)
+        res = launch.wait(procs, 30)
+    finally:
+        for p in procs:
+            launch.kill(p)
+    survivor = res[1 - victim]
+    assert survivor.returncode == 2, survivor.stderr[-2000:]
+    errs = [x for x in survivor.stderr.splitlines() if x.startswith("orbitrl train: error:")]
+    assert errs and "lost another rank" in errs[0], survivor.stderr[-2000:]
+    train(args, 2, run, resume=True)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["staleness_max"] <= 2 for r in rows)
