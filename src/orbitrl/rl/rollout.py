@@ -96,16 +96,48 @@ class Rollouts:
                 gen0 = self.engine.stats["generated_tokens"]
                 wd0 = self.engine.stats.get("watchdog_events", 0)
                 seed = self.cfg.train.seed * 7919 + seed_index
-                samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
-                                                 for x in rows], rows, self.sampling(),
-                                   version, seed, deadline_s=r.timeout_s or None, first=a)
+                env, logged = {}, []
+                if self.cfg.env.name:
+                    samples, env, logged = self.trajectories(rows, self.sampling(), version,
+                                                             seed, a, seed_index)
+                else:
+                    samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
+                                                     for x in rows], rows, self.sampling(),
+                                       version, seed, deadline_s=r.timeout_s or None, first=a)
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
         return Rollout(samples=samples, gen_tokens=gen_tokens,
                        watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
                        timeline=list(self.engine.timeline), data_after=data_after,
-                       governor=self.governor.state() if self.governor else {})
+                       governor=self.governor.state() if self.governor else {},
+                       env=env, trajectories=logged)
+
+    def turn_loop(self):
+        """The multi-turn driver (built once; ``env.name`` set)."""
+        if getattr(self, "_turns", None) is None:
+            from orbitrl.rl.trajectory import TurnLoop
+
+            schemas = []
+            if self.cfg.env.name == "tools":
+                from orbitrl.envs.tool_env import tools_of
+                from orbitrl.envs.tools import tool_schemas
+
+                schemas = tool_schemas(tools_of(self.cfg.env, self.cfg))
+            self._turns = TurnLoop(self.engine, self.engine.tokenizer, self.encode, self.cfg,
+                                   schemas)
+        return self._turns
+
+    def trajectories(self, rows, params, version: int, seed: int, first: int = 0,
+                     step: int = 0):
+        """Samples of multi-turn trajectories, their metrics and the records to log."""
+        from orbitrl.rl.trajectory import trajectory_log, trajectory_metrics, trajectory_samples
+
+        r = self.cfg.rollout
+        trajs, stats = self.turn_loop().run(rows, params, seed, first, r.timeout_s or None)
+        samples = trajectory_samples(trajs, params.n, version, first)
+        return (samples, trajectory_metrics(trajs, stats),
+                trajectory_log(trajs, self.cfg.env.log_trajectories, step))
 
     def _hook(self, stop, stop_error):
         """Before each engine step: a stop request aborts the rollout, then the governor."""

@@ -23,6 +23,9 @@ class Sample:
     policy_version: int = 0
     reward: float = 0.0
     routing: object = None  # mixtures: [S, prompt + completion, k] experts the engine used
+    loss_mask: list | None = None  # trajectories: 1 per model token, 0 per environment token
+    env_reward: float = 0.0  # trajectories: the environment's rewards over its turns
+    info: dict = field(default_factory=dict)  # trajectories: turns, tool calls, waits
 
     @property
     def truncated(self) -> bool:
@@ -47,6 +50,8 @@ class Rollout:
     data_after: tuple                # the data cursor's position after this step's prompts
     rewards: object = None           # rewards.RewardResult, from Scorer.judge
     seconds: dict = field(default_factory=dict)  # rollout (and reward) phase seconds
+    env: dict = field(default_factory=dict)  # multi-turn: the step's trajectory metrics
+    trajectories: list = field(default_factory=list)  # multi-turn: records to log
 
 
 @dataclass
