@@ -109,6 +109,9 @@ class TurnLoop:
         self.engine, self.tok, self.encode, self.cfg, self.ecfg = engine, tok, encode, cfg, cfg.env
         self.factory = get_env(self.ecfg.name)
         self.fmt = TurnFormat(tok, self.ecfg, cfg.data.chat_template, schemas or [])
+        from orbitrl.envs.tool_env import syntax_of
+
+        self.syntax = syntax_of(self.ecfg)  # observations are cut and their markers escaped
         limit = self.ecfg.max_total_tokens or engine.max_model_len
         self.max_total = min(limit, engine.max_model_len - 1)
 
@@ -259,6 +262,7 @@ class TurnLoop:
 
     def _observe(self, t: Trajectory, obs: str) -> None:
         """Append the observation's tokens and resume the sequence (or end at a limit)."""
+        obs = self.syntax.sanitize(obs, self.ecfg.max_output_chars)  # any environment's
         so_far = self.tok.decode(t.info["prompt_ids"] + t.tokens, skip_special_tokens=False)
         ids = self.fmt.observation(t, obs, so_far)
         total = len(t.info["prompt_ids"]) + len(t.tokens) + len(ids)
