@@ -186,3 +186,26 @@ def test_gradients_are_zero_on_environment_tokens(tiny, monkeypatch):
     env = mb.mask == 0
     assert torch.all(g[env] == 0) and torch.all(g[~env] != 0)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("wait", ["resident", "swap"])
+def test_ledger_prices_the_waiting_kv(tiny, wait):
+    """The ledger's price of the parked trajectories' KV against what the engine held."""
+    from orbitrl.ledger.kv import waiting_kv_bytes
+
+    loop, eng = _loop(tiny, kv_wait=wait)
+    trajs, stats = loop.run([{"prompt": "12+34=", "turns": 3}, {"prompt": "1+1=", "turns": 3}],
+                            SamplingParams(n=2, max_tokens=3, temperature=1.0,
+                                           ignore_eos=True), seed=1)
+    m = trajectory_metrics(trajs, stats)
+    if wait == "resident":
+        assert m["kv_wait_host_bytes"] == 0 and m["kv_wait_device_bytes"] > 0
+        # forked samples share their prompt's blocks: measured at most the ledger's price
+        assert 0 < m["kv_wait_device_bytes"] <= m["kv_wait_device_bytes_predicted"]
+    else:
+        assert m["kv_wait_device_bytes"] == 0
+        assert m["kv_wait_host_bytes"] == m["kv_wait_host_bytes_predicted"] > 0
+    bb, bs = eng.block_bytes, eng.pool.block_size
+    assert waiting_kv_bytes([5, 9], bs, bb, "resident")["device"] == (2 + 3) * bb
+    assert waiting_kv_bytes([5, 9], bs, bb, "swap") == {"device": 0, "host": 14 * bb // bs,
+                                                        "moved": 28 * bb // bs}

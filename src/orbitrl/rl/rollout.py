@@ -113,31 +113,16 @@ class Rollouts:
                        governor=self.governor.state() if self.governor else {},
                        env=env, trajectories=logged)
 
-    def turn_loop(self):
-        """The multi-turn driver (built once; ``env.name`` set)."""
-        if getattr(self, "_turns", None) is None:
-            from orbitrl.rl.trajectory import TurnLoop
-
-            schemas = []
-            if self.cfg.env.name == "tools":
-                from orbitrl.envs.tool_env import tools_of
-                from orbitrl.envs.tools import tool_schemas
-
-                schemas = tool_schemas(tools_of(self.cfg.env, self.cfg))
-            self._turns = TurnLoop(self.engine, self.engine.tokenizer, self.encode, self.cfg,
-                                   schemas)
-        return self._turns
-
     def trajectories(self, rows, params, version: int, seed: int, first: int = 0,
                      step: int = 0):
-        """Samples of multi-turn trajectories, their metrics and the records to log."""
-        from orbitrl.rl.trajectory import trajectory_log, trajectory_metrics, trajectory_samples
+        """Samples of multi-turn trajectories (``env.name`` set), their metrics and the
+        records to log (rl/trajectory.py)."""
+        if getattr(self, "_turns", None) is None:
+            from orbitrl.rl.trajectory import trajectories_fn
 
-        r = self.cfg.rollout
-        trajs, stats = self.turn_loop().run(rows, params, seed, first, r.timeout_s or None)
-        samples = trajectory_samples(trajs, params.n, version, first)
-        return (samples, trajectory_metrics(trajs, stats),
-                trajectory_log(trajs, self.cfg.env.log_trajectories, step))
+            self._turns = trajectories_fn(self.engine, self.engine.tokenizer, self.encode,
+                                          self.cfg)
+        return self._turns(rows, params, version, seed, first, step)
 
     def _hook(self, stop, stop_error):
         """Before each engine step: a stop request aborts the rollout, then the governor."""

@@ -200,6 +200,7 @@ class TurnLoop:
                 for seq in eng.step():
                     self._turn_done(trajs[self._index[seq.req_index] * n + seq.sample], seq,
                                     calls, stats)
+                self._price_wait(stats)
                 results = calls.poll()
             else:
                 w = time.perf_counter()
@@ -207,6 +208,29 @@ class TurnLoop:
                 stats["engine_idle_s"] += time.perf_counter() - w
             for r in results:
                 self._env_done(trajs[r.key[1]], r, stats)
+
+    def _price_wait(self, stats) -> None:
+        """The KV of trajectories waiting for their environments: measured (blocks held
+        by parked sequences, bytes on the host) against the ledger's price of the same
+        contexts (``ledger.kv.waiting_kv_bytes``), at the wait's peak."""
+        from orbitrl.ledger.kv import waiting_kv_bytes
+
+        parked = self.engine.scheduler.parked
+        if not parked:
+            return
+        eng = self.engine
+        held = {b for s in parked if s.swap is None for b in s.block_table}
+        device = len(held) * eng.block_bytes
+        host = sum(sum(t.numel() * t.element_size() for t in s.swap)
+                   for s in parked if s.swap is not None)
+        if device + host <= stats.get("kv_wait_device_bytes", 0) + stats.get(
+                "kv_wait_host_bytes", 0):
+            return
+        price = waiting_kv_bytes([s.num_computed for s in parked], eng.pool.block_size,
+                                 eng.block_bytes, self.ecfg.kv_wait)
+        stats.update(kv_wait_device_bytes=device, kv_wait_host_bytes=host,
+                     kv_wait_device_bytes_predicted=price["device"],
+                     kv_wait_host_bytes_predicted=price["host"])
 
     def _abort(self, trajs, calls) -> None:
         """The rollout watchdog: everything unfinished is dropped and its KV released."""
@@ -330,6 +354,9 @@ def trajectory_metrics(trajs: list[Trajectory], stats: dict) -> dict:
         "env_dropped": sum(t.end not in ("done", "max_turns", "length") for t in trajs),
         "env_wait_s": stats["env_wait_s"], "env_engine_idle_s": stats["engine_idle_s"],
         "kv_swapped_bytes": stats["kv_swapped_bytes"],
+        **{k: stats.get(k, 0) for k in ("kv_wait_device_bytes", "kv_wait_host_bytes",
+                                        "kv_wait_device_bytes_predicted",
+                                        "kv_wait_host_bytes_predicted")},
         "prefill_tokens_per_turn": sum(prefill) / len(prefill) if prefill else 0.0,
         "prefill_history_ratio": sum(prefill) / sum(history) if history else 0.0,
     }
@@ -345,3 +372,23 @@ def trajectory_log(trajs: list[Trajectory], count: int, step: int) -> list[dict]
              "prompt": t.info.get("first_text", ""), "turns_text": t.log,
              **({"error": t.info["error"]} if "error" in t.info else {})}
             for t in trajs[:count]]
+
+
+def trajectories_fn(engine, tok, encode, cfg):
+    """``(rows, params, version, seed, first) -> (samples, metrics, log)`` over a TurnLoop
+    of ``cfg.env``: what the Evaluator runs held-out trajectories with (a run's Rollouts
+    and ``orbitrl eval`` both build it here)."""
+    schemas = []
+    if cfg.env.name == "tools":
+        from orbitrl.envs.tool_env import tools_of
+        from orbitrl.envs.tools import tool_schemas
+
+        schemas = tool_schemas(tools_of(cfg.env, cfg))
+    loop = TurnLoop(engine, tok, encode, cfg, schemas)
+
+    def run(rows, params, version: int, seed: int, first: int = 0, step: int = 0):
+        trajs, stats = loop.run(rows, params, seed, first, cfg.rollout.timeout_s or None)
+        return (trajectory_samples(trajs, params.n, version, first),
+                trajectory_metrics(trajs, stats),
+                trajectory_log(trajs, cfg.env.log_trajectories, step))
+    return run
