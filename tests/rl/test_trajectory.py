@@ -178,7 +178,7 @@ def test_gradients_are_zero_on_environment_tokens(tiny, monkeypatch):
     monkeypatch.setattr(U, "score", spy)
     adv = torch.tensor([[1.0] * 10, [-1.0] * 10])
     ref = torch.full((2, 10), -1.5)
-    loss, _ = U.actor_loss(model, mb, torch.full((2, 10), -1.2), ref, adv, AlgoSection(),
+    loss, _ = U.actor_loss(model, mb, None, ref, adv, AlgoSection(),  # ratio 1: no clipping
                            kl_coef=0.1, temperature=1.0, denom=float(mb.mask.sum()),
                            norm_len=10)
     loss.backward()
