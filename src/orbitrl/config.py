@@ -273,6 +273,39 @@ class MoeSection:
 
 
 @dataclass
+class EnvSection:
+    """Multi-turn rollouts (docs/envs.md): each sample is a trajectory of model turns and
+    environment observations; empty ``name`` keeps single-turn rollouts."""
+    name: str = ""  # environment: "" (single-turn), "tools" (tool calling), a registered name or pkg.module:factory
+    max_turns: int = 4  # model turns per trajectory at most
+    max_total_tokens: int = 0  # trajectory tokens (prompt, turns, observations) at most; 0 = the model's context
+    turn_max_tokens: int = 0  # tokens per model turn at most; 0 = rollout.max_tokens
+    time_limit_s: float = 30.0  # per environment call (reset or step); past it the trajectory ends and is counted
+    workers: int = 16  # environment calls running at once (threads)
+    kv_wait: Literal["resident", "swap"] = "resident"  # a trajectory's KV while its environment runs: kept on the device, or swapped to host memory and back
+    tools: list = field(default_factory=lambda: ["calculator"])  # tools env: calculator, python (the reward.sandbox), or pkg.module:func
+    tool_call_start: str = "<tool_call>"  # marker opening a tool call
+    tool_call_end: str = "</tool_call>"  # marker closing a tool call (also where a turn stops)
+    tool_call_format: Literal["json", "plain"] = "json"  # json: {"name", "arguments"}; plain: name:args or args (the first tool)
+    tool_results: Literal["auto", "template", "plain"] = "auto"  # results as tool messages through the chat template (auto: when data.chat_template is on), or as result_template text
+    result_template: str = "<tool_response>\n{result}\n</tool_response>\n"  # plain results: the text appended after a tool-calling turn
+    max_output_chars: int = 2048  # a tool's output is cut to this many characters
+    log_trajectories: int = 2  # trajectories per step written to trajectories.jsonl
+
+    def __post_init__(self):
+        _require(self, "env", ("max_turns", "workers", "max_output_chars"), lambda v: v >= 1,
+                 ">= 1")
+        _require(self, "env", ("max_total_tokens", "turn_max_tokens", "log_trajectories"),
+                 lambda v: v >= 0, ">= 0")
+        _require(self, "env", ("time_limit_s",), lambda v: v > 0, "> 0")
+        if "{result}" not in self.result_template:
+            raise OrbitError("config key 'env.result_template' must contain {result}")
+        if not self.tool_call_start or not self.tool_call_end:
+            raise OrbitError("config keys 'env.tool_call_start' / 'env.tool_call_end' must "
+                             "be non-empty")
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraSection = field(default_factory=LoraSection)
@@ -286,6 +319,7 @@ class Config:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     log: LogSection = field(default_factory=LogSection)
     moe: MoeSection = field(default_factory=MoeSection)
+    env: EnvSection = field(default_factory=EnvSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -68,7 +68,7 @@ def run(args) -> int:
     model, tok, path = _load(args.model, args.adapter)
     return _evaluate(args, model, tok, path, args.adapter,
                      rows[:args.limit] if args.limit else rows, runner, fields, args.max_tokens,
-                     source)
+                     source, _task_env(None if args.data else task, args))
 
 
 def _run_of(args) -> int:
@@ -102,7 +102,8 @@ def _run_of(args) -> int:
         adapter = None
     return _evaluate(args, model, tok, path, adapter,
                      held[:args.limit] if args.limit else held, runner, cfg.data,
-                     cfg.rollout.max_tokens, f"run {run} (held-out rows)")
+                     cfg.rollout.max_tokens, f"run {run} (held-out rows)",
+                     cfg if cfg.env.name else None)
 
 
 def _load(model_path, adapter):
@@ -120,15 +121,37 @@ def _load(model_path, adapter):
     return model, tok, path
 
 
-def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source) -> int:
+def _task_env(task, args):
+    """A multi-turn built-in task's run config (its ``env`` section), else None."""
+    if task != "tool_arith":
+        return None
+    from orbitrl.config import Config
+    from orbitrl.data.tool_arith import TOOL_ENV
+
+    cfg = Config()
+    for k, v in TOOL_ENV.items():
+        setattr(cfg.env, k, v)
+    cfg.rollout.max_tokens = args.max_tokens
+    return cfg
+
+
+def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source,
+              env_cfg=None) -> int:
     """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
-    accuracy and write ``--out``."""
+    accuracy and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
+    multi-turn trajectory (the accuracy is then the task's completion rate)."""
     from orbitrl.engine import Engine
     from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rl.evaluate import Evaluator
 
-    ev = Evaluator(Engine(model, tok), lambda t: encode_prompt(tok, t, data.chat_template),
-                   data, max_tokens)
+    engine = Engine(model, tok)
+    encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
+    turns = None
+    if env_cfg is not None:
+        from orbitrl.rl.trajectory import trajectories_fn
+
+        turns = trajectories_fn(engine, tok, encode, env_cfg)
+    ev = Evaluator(engine, encode, data, max_tokens, trajectories=turns)
     acc, records = ev.run(rows, runner)
     for r in records:  # a failing verifier is an error for that row, scored 0
         if "error" in r:

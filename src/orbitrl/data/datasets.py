@@ -9,13 +9,14 @@ from pathlib import Path
 from orbitrl.errors import OrbitError
 
 # the reward each built-in task is scored with when none is given (orbitrl eval)
-TASK_REWARDS = {"arith": "exact_match", "code": "code"}
+TASK_REWARDS = {"arith": "exact_match", "code": "code", "tool_arith": "exact_match"}
 TASKS = tuple(TASK_REWARDS)
 
 
 def task_rows(name: str, split: str, limit: int | None = None) -> list[dict]:
     """Rows of a built-in task's split (``sft``, ``rl``, ``heldout``): ``arith``
-    (two-digit addition) or ``code`` (small Python problems with tests)."""
+    (two-digit addition), ``code`` (small Python problems with tests) or ``tool_arith``
+    (products with a calculator tool; multi-turn, see data/tool_arith.py)."""
     if name == "arith":
         from orbitrl.data.arith import arith_rows
 
@@ -24,6 +25,10 @@ def task_rows(name: str, split: str, limit: int | None = None) -> list[dict]:
         from orbitrl.data.code_tasks import code_rows
 
         return code_rows(split, limit)
+    if name == "tool_arith":
+        from orbitrl.data.tool_arith import tool_rows
+
+        return tool_rows(split, limit)
     raise OrbitError(f"data.task {name!r}: no such built-in task (have: {', '.join(TASKS)})")
 
 

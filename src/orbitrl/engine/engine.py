@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import numpy as np
@@ -172,6 +173,10 @@ class Engine:
             for seq in [s for s in sch.running if any(b >= num_blocks for b in s.block_table)]:
                 sch.running.remove(seq)
                 sch._preempt(seq)
+            # trajectories waiting for their environment: to host memory
+            for seq in [s for s in sch.parked if s.swap is None
+                        and any(b >= num_blocks for b in s.block_table)]:
+                sch.evict_parked(seq)
         if num_blocks != self.pool.num_blocks:
             self.pool.resize(num_blocks)
             self.cache.resize(num_blocks)
@@ -213,22 +218,14 @@ class Engine:
         """
         from tqdm import tqdm
 
-        if not self.scheduler.has_work():
-            # the weights may have changed since the last call: cached prefixes are stale
-            self.pool.reset_prefix_cache()
         reqs = [r if isinstance(r, Request) else
                 Request(prompt=r) if isinstance(r, str) else Request(prompt_ids=list(r))
                 for r in requests]
         plist = params if isinstance(params, list) else [params] * len(reqs)
-        outs = [self.add_request(i, r, r.params or p or SamplingParams())
-                for i, (r, p) in enumerate(zip(reqs, plist))]
-        self.stop_fn, self._done, self.timeline = stop_fn, {}, []
-        self.decode.reset()
-        self.decode_runner.begin(_adapter_signature(self.model))
+        outs = self.begin([(r, r.params or p or SamplingParams())
+                           for r, p in zip(reqs, plist)], stop_fn)
         total = sum(r.params.n if r.params else (p or SamplingParams()).n
                     for r, p, o in zip(reqs, plist, outs) if o.error is None)
-        if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
-            self.resize_pool(least)                               # fit each sample
         t0 = time.perf_counter()
         with tqdm(total=total, disable=not progress, unit="sample") as bar:
             while self.scheduler.has_work():
@@ -276,6 +273,73 @@ class Engine:
         sch.running, sch.swapped = [], []
         return len(cut)
 
+    def begin(self, requests: list[tuple[Request, SamplingParams]], stop_fn=None
+              ) -> list[RequestOutput]:
+        """Start a batch: queue ``(request, params)`` pairs and reset the per-batch state.
+        ``generate`` runs it to the end; a caller that drives :meth:`step` itself (the
+        multi-turn rollout, which resumes sequences between steps) calls this first."""
+        if not self.scheduler.has_work() and not self.scheduler.parked:
+            # the weights may have changed since the last call: cached prefixes are stale
+            self.pool.reset_prefix_cache()
+        outs = [self.add_request(i, r, p) for i, (r, p) in enumerate(requests)]
+        self.stop_fn, self._done, self.timeline = stop_fn, {}, []
+        self.decode.reset()
+        self.decode_runner.begin(_adapter_signature(self.model))
+        if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
+            self.resize_pool(least)                               # fit each sample
+        return outs
+
+    # ---- trajectories: parked sequences ------------------------------------------------
+    def resume(self, seq: Sequence, new_ids: list[int], max_tokens: int | None = None) -> None:
+        """Continue a parked sequence (finished with ``keep_kv``): append ``new_ids`` (an
+        environment's tokens) and decode its next turn. Its KV stays as it is, resident or
+        on the host (swapped back in when scheduled), so the next prefill computes only
+        the tokens not yet in the cache: ``new_ids`` and the previous turn's last token.
+        The history becomes the prompt, the logprobs start over, the random stream moves
+        to a new key; ``max_tokens`` caps the new turn (default the request's)."""
+        from dataclasses import replace
+
+        from orbitrl.engine.sampler import row_key
+        from orbitrl.engine.sequence import Status
+
+        if seq.status != Status.PARKED:
+            raise OrbitError(f"resume: sequence {seq.req_index}/{seq.sample} is not parked")
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in new_ids):
+            raise OrbitError(f"resume: token ids must be integers in [0, {vocab})")
+        if len(seq) + len(new_ids) >= self.max_model_len:
+            raise OrbitError(f"resume: {len(seq) + len(new_ids)} tokens leave no room in the "
+                             f"context of {self.max_model_len}")
+        seq.token_ids += list(new_ids)
+        seq.num_prompt = len(seq.token_ids)
+        seq.logprobs, seq.raw_logprobs = [], []
+        seq.finish_reason = seq.text = None
+        seq.turn += 1
+        seq.key = row_key(seq.seed + 1_000_003 * seq.turn, seq.sample)
+        if max_tokens is not None:
+            seq.params = replace(seq.params, max_tokens=int(max_tokens))
+        sch = self.scheduler
+        sch.parked.remove(seq)
+        if seq.swap is not None:
+            seq.status = Status.SWAPPED
+            bisect.insort(sch.swapped, seq, key=lambda s: (s.arrival, s.sample))
+        else:
+            sch.add_running(seq)
+        self.decode.reset()
+
+    def swap_parked(self, seq: Sequence) -> int:
+        """Copy a parked sequence's KV to host memory and free its blocks while its
+        environment runs (``resume`` swaps it back in); returns the bytes copied."""
+        if seq.swap is not None:
+            return 0
+        before = self.stats.get("kv_swapped_bytes", 0)
+        self.scheduler.evict_parked(seq)
+        return self.stats.get("kv_swapped_bytes", 0) - before
+
+    def release(self, seq: Sequence) -> None:
+        """Free a parked sequence's KV for good (its trajectory ended)."""
+        self.scheduler.release(seq)
+
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One forward over a scheduled batch; returns the sequences that finished. Pure
@@ -291,6 +355,8 @@ class Engine:
             raise RuntimeError("engine: scheduler made no progress (pool too small?)")
         for seq in batch.swap_in:
             self.cache.load(seq.block_table, seq.swap)
+            self.stats["kv_swapped_in_bytes"] = (self.stats.get("kv_swapped_in_bytes", 0)
+                                                 + _nbytes(seq.swap))
             seq.swap = None
         self.cache.copy_blocks(batch.copies)
         t0 = time.perf_counter()
@@ -304,6 +370,7 @@ class Engine:
 
     def postprocess(self, items, logits, seqs: list[Sequence]) -> list[Sequence]:
         for seq, n in items:
+            seq.prefilled += max(0, min(n, seq.num_prompt - seq.num_computed))
             seq.num_computed += n
             self.pool.commit(seq)
         self.stats["steps"] += 1
@@ -424,6 +491,7 @@ class Engine:
 
     def _swap_out(self, seq: Sequence) -> None:
         seq.swap = self.cache.save(seq.block_table, seq.num_computed)
+        self.stats["kv_swapped_bytes"] = self.stats.get("kv_swapped_bytes", 0) + _nbytes(seq.swap)
         computed = seq.num_computed
         self.pool.free_seq(seq)
         seq.num_computed = computed
@@ -435,9 +503,14 @@ class Engine:
                  kv_block_bytes=self.block_bytes, kv_bytes_peak=self.pool.peak_used * self.block_bytes,
                  blocks_allocated=self.pool.allocated, prefix_hits=self.pool.prefix_hits,
                  cow=self.pool.cow, preemptions=self.scheduler.num_preempted,
-                 swaps=self.scheduler.num_swapped)
+                 swaps=self.scheduler.num_swapped,
+                 parked_evictions=self.scheduler.num_parked_evicted)
         s["tokens_per_s"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         return s
+
+
+def _nbytes(saved: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in saved)
 
 
 def _adapter_signature(model) -> tuple:

@@ -6,6 +6,11 @@ One rule covers prefill, chunked prefill, decode and recompute: a scheduled sequ
 out, the newest running sequence is preempted: its blocks are freed and it is recomputed
 later (``preempt="recompute"``), or its KV is copied to host memory and copied back later
 (``preempt="swap"``, the default where the device is not the host).
+
+A sequence whose params say ``keep_kv`` is parked when it finishes (a trajectory waiting for
+its environment): its blocks stay referenced, outside the running queue. When blocks run
+out, parked sequences are swapped to host memory first (oldest first), before any running
+one is preempted: a waiting trajectory is the coldest KV there is.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by priority
         self.swapped: list[Sequence] = []
         self.running: list[Sequence] = []  # sorted by priority
-        self.num_preempted = self.num_swapped = 0
+        self.parked: list[Sequence] = []  # finished a turn (oldest first); KV resident, or
+        # on the host when ``seq.swap`` is set
+        self.num_preempted = self.num_swapped = self.num_parked_evicted = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -47,19 +54,43 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_key)
 
     def finish(self, seq: Sequence) -> None:
-        seq.status = Status.FINISHED
         self.running.remove(seq)
+        if seq.params.keep_kv:
+            seq.status = Status.PARKED
+            self.parked.append(seq)
+        else:
+            seq.status = Status.FINISHED
+            self.pool.free_seq(seq)
+
+    def evict_parked(self, seq: Sequence | None = None) -> Sequence | None:
+        """Swap a parked sequence's KV to host memory and free its blocks (the oldest
+        resident one when ``seq`` is None); returns it, or None when none is resident."""
+        if seq is None:
+            seq = next((s for s in self.parked if s.swap is None), None)
+            if seq is None:
+                return None
+        self.swap_out(seq)
+        self.num_parked_evicted += 1
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free a parked sequence for good (its trajectory ended)."""
+        if seq in self.parked:
+            self.parked.remove(seq)
         self.pool.free_seq(seq)
+        seq.swap = None
+        seq.status = Status.FINISHED
 
     def abort_all(self) -> list[Sequence]:
-        """Drop every unfinished sequence and release its KV (the watchdog's exit)."""
-        dropped = self.running + self.waiting + self.swapped
+        """Drop every unfinished sequence, parked ones included, and release its KV (the
+        watchdog's exit)."""
+        dropped = self.running + self.waiting + self.swapped + self.parked
         for seq in dropped:
             self.pool.free_seq(seq)
             seq.swap = None
             seq.status = Status.FINISHED
             seq.finish_reason = "aborted"
-        self.running, self.waiting, self.swapped = [], [], []
+        self.running, self.waiting, self.swapped, self.parked = [], [], [], []
         return dropped
 
     def has_work(self) -> bool:
@@ -82,6 +113,8 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(len(seq) - seq.num_computed, budget)
+            while not pool.can_append(seq, num_new) and self.evict_parked():
+                pass
             while not pool.can_append(seq, num_new):
                 preempted = True
                 if queue:
@@ -100,21 +133,28 @@ class Scheduler:
         width = sum(s.width for s in self.running)
         while self.swapped and not preempted and budget > 0 and width < self.max_num_seqs:
             seq = self.swapped[0]
-            if pool.num_free < -(-(seq.num_computed + 1) // pool.block_size):
+            # a preempted sequence has one token to compute; a resumed trajectory its turn's
+            num_new = max(1, min(len(seq) - seq.num_computed, budget))
+            need = -(-(seq.num_computed + num_new) // pool.block_size)
+            while pool.num_free < need and self.evict_parked():
+                pass
+            if pool.num_free < need:
                 break
             self.swapped.pop(0)
             pool.allocate_fresh(seq, seq.num_computed)
             batch.swap_in.append(seq)
-            batch.items.append((seq, 1))
-            batch.copies += pool.append(seq, 1)
+            batch.items.append((seq, num_new))
+            batch.copies += pool.append(seq, num_new)
             self.add_running(seq)
-            budget, width = budget - 1, width + 1
+            budget, width = budget - num_new, width + 1
         while self.waiting and not preempted and budget > 0 and not self.swapped:
             seq = self.waiting[0]
             if width and width + seq.width > self.max_num_seqs:
                 break
             pool.admit(seq)  # prefix-cache hits set num_computed
             num_new = min(len(seq) - seq.num_computed, budget)
+            while not pool.can_append(seq, num_new) and self.evict_parked():
+                pass
             if not pool.can_append(seq, num_new):
                 pool.free_seq(seq)
                 break

@@ -29,6 +29,9 @@ class SamplingParams:
         stop: stop strings; the completion text is cut before the first one found.
         stop_token_ids: extra stop ids (the model's eos ids are added unless ignore_eos).
         ignore_eos: do not stop at the model's eos ids.
+        keep_kv: a finished sequence keeps its KV blocks (it is parked, not freed) until
+            :meth:`Engine.resume` appends tokens and decodes on, or :meth:`Engine.release`
+            frees it: a multi-turn trajectory continues the same sequence between turns.
     """
     n: int = 1
     max_tokens: int = 16
@@ -39,6 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] = ()
     stop_token_ids: tuple[int, ...] | list[int] = ()
     ignore_eos: bool = False
+    keep_kv: bool = False
 
     def check(self) -> str | None:
         """The first problem with these parameters, or None."""
@@ -90,6 +94,7 @@ class Status(enum.Enum):
     RUNNING = 1
     SWAPPED = 2
     FINISHED = 3
+    PARKED = 4  # finished a turn, KV kept (resident, or on the host when ``swap`` is set)
 
 
 class Sequence:
@@ -98,6 +103,10 @@ class Sequence:
     ``num_computed``: leading tokens whose KV is in the cache. Each step schedules some of
     the remaining ``len(token_ids) - num_computed`` tokens (all of them for decode, a chunk
     for a long prefill); when none remain, the last logits give the next token.
+
+    A resumed sequence (a trajectory's next turn) treats its whole history as the prompt
+    (``num_prompt``) and its new turn as the completion; ``turn`` counts resumptions and
+    ``prefilled`` the prompt tokens this sequence ran through the model (measured per step).
     """
 
     def __init__(self, req_index: int, sample: int, prompt_ids: list[int],
@@ -121,6 +130,8 @@ class Sequence:
         self.seed = seed  # the request's seed (or the one the engine drew for it)
         self.key = row_key(seed, sample)  # random stream key (sampler.uniforms)
         self.routing = None  # mixtures: experts chosen per computed token (moe.RoutingLog)
+        self.turn = 0
+        self.prefilled = 0
 
     def fork(self, sample: int) -> "Sequence":
         """A sibling with the same tokens and (shared) blocks; the caller bumps refcounts."""

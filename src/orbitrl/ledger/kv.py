@@ -36,3 +36,20 @@ def kv_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return math.ceil(num_tokens / block_size)
+
+
+def waiting_kv_bytes(contexts: list[int], block_size: int, block_bytes: int,
+                     kv_wait: str) -> dict:
+    """The bill of trajectories parked while their environments run, each holding
+    ``contexts[i]`` tokens of KV: ``device`` bytes (whole blocks, resident) and ``host``
+    bytes (the computed tokens only, swapped out), by ``kv_wait`` ("resident" or "swap").
+    Per turn and trajectory, swapping moves ``host`` bytes out and back (the bandwidth
+    bill); keeping them resident costs ``device`` bytes of the pool for the whole wait."""
+    if kv_wait not in ("resident", "swap"):
+        raise ValueError(f"kv_wait {kv_wait!r}: resident or swap")
+    per_token = block_bytes // block_size
+    resident = sum(blocks_for_tokens(c, block_size) for c in contexts) * block_bytes
+    host = sum(contexts) * per_token
+    if kv_wait == "resident":
+        return {"device": resident, "host": 0, "moved": 0}
+    return {"device": 0, "host": host, "moved": 2 * host}

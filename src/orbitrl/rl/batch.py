@@ -43,7 +43,8 @@ class PackedBatch:
     src: torch.Tensor         # [M] flat index into [R * L] whose hidden state predicts a target
     targets: torch.Tensor     # [M] the completion tokens
     dst: torch.Tensor         # [M] flat index into the padded [B, T] layout
-    mask: torch.Tensor        # [B, T] 1.0 on completion tokens
+    mask: torch.Tensor        # [B, T] 1.0 on completion tokens the policy sampled (a
+    #                           trajectory's environment tokens are inputs and targets, mask 0)
     rollout_logp: torch.Tensor  # [B, T]
     num_tokens: int           # tokens laid out (padding excluded; a shared prompt once)
     parent_ids: torch.Tensor | None = None  # [R, L] the prompt a completion token reads
@@ -109,7 +110,7 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
     R = 1 + max(r for r, _ in where)
     L = max(o + n for (_, o), n in zip(where, ulens))
     ids, pos, sid, par = [0] * (R * L), [0] * (R * L), [-1] * (R * L), [-1] * (R * L)
-    src, tgt, dst, rlp = [], [], [], []
+    src, tgt, dst, rlp, msk = [], [], [], [], []
 
     def lay(at: int, toks: list[int], p0: int, seq: int, parent: int) -> None:
         n = len(toks)
@@ -130,10 +131,11 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
             tgt += s.completion_ids
             dst += range(b * T, b * T + C)
             rlp += s.rollout_logprobs[:C]
+            msk += s.loss_mask[:C] if s.loss_mask is not None else [1.0] * C
             at += C
     dst_t = torch.tensor(dst, dtype=torch.long)
     mask = torch.zeros(B * T)
-    mask[dst_t] = 1.0
+    mask[dst_t] = torch.tensor(msk, dtype=torch.float32)  # trajectories: 0 on env tokens
     rollout = torch.zeros(B * T)
     rollout[dst_t] = torch.tensor(rlp, dtype=torch.float32)
     t = lambda v: torch.tensor(v, dtype=torch.long).to(device)  # noqa: E731

@@ -32,10 +32,11 @@ class Evaluator:
     """
 
     def __init__(self, engine, encode: Callable, data, max_tokens: int, timeout_s=None,
-                 weights=nullcontext, coll=None):
+                 weights=nullcontext, coll=None, trajectories=None):
         from orbitrl.distributed.collective import Collective
 
         self.engine, self.encode, self.data = engine, encode, data
+        self.trajectories = trajectories  # multi-turn: Rollouts.trajectories
         self.max_tokens, self.timeout_s, self.weights = max_tokens, timeout_s, weights
         self.coll = coll or Collective()
 
@@ -57,16 +58,25 @@ class Evaluator:
         total = len(rows)
         a, b = self.coll.share(total)  # each rank scores its share, the sum is reduced
         rows = rows[a:b]
-        prompts = [self.encode(r[d.prompt_field]) for r in rows]
+        prompts = [] if self.trajectories else [self.encode(r[d.prompt_field]) for r in rows]
         params = SamplingParams(n=1, max_tokens=self.max_tokens, temperature=0.0)
         with self.weights():
-            samples = generate(self.engine, prompts, rows, params, version, 0, first=a)
+            if self.trajectories is not None:  # the final turn's text is the answer
+                got = {s.group - a: s for s in self.trajectories(rows, params, version, 0, a)[0]}
+                samples = [got.get(i) or _Dropped() for i in range(len(rows))]
+            else:
+                samples = generate(self.engine, prompts, rows, params, version, 0, first=a)
         res = self._runner(reward)([r[d.prompt_field] for r in rows], [s.text for s in samples],
                                    [reward_fields(r, d.prompt_field, d.answer_field)
                                     for r in rows])
         failed = {e.index: e.reason for e in res.errors}
+        for i, s in enumerate(samples):
+            if isinstance(s, _Dropped):
+                failed.setdefault(i, "trajectory dropped (environment error or time limit)")
         records = [{"prompt": r[d.prompt_field], "completion": s.text, "answer":
                     r.get(d.answer_field), "score": x,
+                    **({"turns": s.info["turns"], "tool_calls": s.info.get("tool_calls", 0),
+                        "trajectory": _transcript(s)} if s.info.get("turns") else {}),
                     **({"error": failed[i]} if i in failed else {})}
                    for i, (r, s, x) in enumerate(zip(rows, samples, res.rewards))]
         return float(self.coll.all_sum(float(sum(res.rewards))) / max(1, total)), records
@@ -79,6 +89,16 @@ class Evaluator:
         name = reward if isinstance(reward, str) else getattr(reward, "__name__", "reward")
         return RewardRunner([RewardSource(get_reward(reward), name=name)],
                             timeout_s=self.timeout_s)
+
+
+class _Dropped:
+    """A held-out row whose trajectory was dropped: an empty answer, scored 0."""
+    text, info = "", {}
+
+
+def _transcript(sample) -> str:
+    """A trajectory's turns as one string (model and environment text in order)."""
+    return "".join(t for _, t in sample.info.get("log", []))
 
 
 def accuracy(model, tokenizer, rows: list[dict], reward_fn, prompt_field: str = "prompt",

@@ -96,16 +96,33 @@ class Rollouts:
                 gen0 = self.engine.stats["generated_tokens"]
                 wd0 = self.engine.stats.get("watchdog_events", 0)
                 seed = self.cfg.train.seed * 7919 + seed_index
-                samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
-                                                 for x in rows], rows, self.sampling(),
-                                   version, seed, deadline_s=r.timeout_s or None, first=a)
+                env, logged = {}, []
+                if self.cfg.env.name:
+                    samples, env, logged = self.trajectories(rows, self.sampling(), version,
+                                                             seed, a, seed_index)
+                else:
+                    samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
+                                                     for x in rows], rows, self.sampling(),
+                                       version, seed, deadline_s=r.timeout_s or None, first=a)
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
         return Rollout(samples=samples, gen_tokens=gen_tokens,
                        watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
                        timeline=list(self.engine.timeline), data_after=data_after,
-                       governor=self.governor.state() if self.governor else {})
+                       governor=self.governor.state() if self.governor else {},
+                       env=env, trajectories=logged)
+
+    def trajectories(self, rows, params, version: int, seed: int, first: int = 0,
+                     step: int = 0):
+        """Samples of multi-turn trajectories (``env.name`` set), their metrics and the
+        records to log (rl/trajectory.py)."""
+        if getattr(self, "_turns", None) is None:
+            from orbitrl.rl.trajectory import trajectories_fn
+
+            self._turns = trajectories_fn(self.engine, self.engine.tokenizer, self.encode,
+                                          self.cfg)
+        return self._turns(rows, params, version, seed, first, step)
 
     def _hook(self, stop, stop_error):
         """Before each engine step: a stop request aborts the rollout, then the governor."""

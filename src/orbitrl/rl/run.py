@@ -190,6 +190,7 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
             row = coll.reduce_row(trainer.step())
             row["wall_s"] = clock.wall()
             log.write(row, trainer.iteration % cfg.log.every == 0)
+            log.trajectories(trainer.last_trajectories)
             start.rewards.append(row["reward_mean"])
             recent = start.rewards[-20:]
             bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
@@ -223,6 +224,15 @@ class RunLog:
         self.external = ExternalWriters(run_dir, cfg.log.tensorboard, cfg.log.wandb,
                                         cfg.to_dict()) if main else _NoWriter()
         self.pending = None
+        self.traj_path = run_dir / "trajectories.jsonl" if main else None
+
+    def trajectories(self, records: list[dict]):
+        """Multi-turn runs: a few trajectories per step, as text (what the model called,
+        what the environment answered)."""
+        if self.traj_path is not None and records:
+            with self.traj_path.open("a") as fh:
+                for rec in records:
+                    fh.write(json.dumps(rec) + "\n")
 
     def write(self, row: dict, now: bool):
         self.pending = row

@@ -79,9 +79,12 @@ def ppo_advantages(algo: AlgoSection, rewards: torch.Tensor, values: torch.Tenso
 
 def shaped_rewards(raw: list[float], samples, algo: AlgoSection, max_tokens: int
                    ) -> torch.Tensor:
-    """The rewards [B] training sees: the verifiers' plus the overlong penalty (DAPO's soft
-    length penalty, ``algo.overlong: shape``)."""
+    """The rewards [B] training sees: the verifiers' plus a trajectory's environment
+    rewards (summed over its turns) plus the overlong penalty (DAPO's soft length penalty,
+    ``algo.overlong: shape``)."""
     rewards = torch.tensor(raw, dtype=torch.float32).reshape(-1)
+    if any(s.env_reward for s in samples):  # trajectories: the environment's turn rewards
+        rewards = rewards + torch.tensor([s.env_reward for s in samples])
     if algo.overlong == "shape":
         lens = torch.tensor([len(s.completion_ids) for s in samples])
         rewards = rewards + A.overlong_penalty(lens, max_tokens, algo.overlong_buffer)

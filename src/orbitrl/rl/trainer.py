@@ -121,12 +121,14 @@ class RLTrainer:
         self.updater = Updater(cfg, self.model, self.policy.trainable, self.opt, self.guard,
                                self.snapshot, self.critic, self.critic_opt, self.coll)
         self.evaluator = Evaluator(self.engine, self.encode, cfg.data, cfg.rollout.max_tokens,
-                                   cfg.reward.timeout_s, self.rollouts.weights, self.coll)
+                                   cfg.reward.timeout_s, self.rollouts.weights, self.coll,
+                                   self.rollouts.trajectories if cfg.env.name else None)
         two_pass = is_fused(self.opt) and getattr(self.opt, "two_pass", False)
         self.flops = StepFlops(self.model.config, cfg.train.mode == "adapter",
                                cfg.algo.epochs * (2 if two_pass else 1))
         self.iteration = 0  # steps run (skipped ones included): the metrics row key
         self.step_idx = 0  # optimizer steps taken = policy version
+        self.last_trajectories: list = []  # multi-turn: the last step's logged trajectories
         self.overlap = None  # the producer thread (rollout.overlap), started at the first step
         self.resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._last_step_end: float | None = None
@@ -296,6 +298,8 @@ class RLTrainer:
         seconds = {**ro.seconds, **timer.seconds}
         row["policy_version"] = self.step_idx
         row.update(sample_metrics(ro.samples, ro.gen_tokens, ro.seconds))
+        row.update(ro.env)  # multi-turn: turns, tool calls, waits, swapped KV, prefill
+        self.last_trajectories = ro.trajectories
         row.update(phase_metrics(self.device, self.engine.pool.num_blocks, seconds, timer,
                                  self.mem))
         if sc.anything:

@@ -26,6 +26,9 @@ class Sample:
     reward: float = 0.0
     routing: object = None  # mixtures: [S, prompt + completion, k] experts the engine used
     token_versions: list | None = None  # separate pools: the policy version of each token
+    loss_mask: list | None = None  # trajectories: 1 per model token, 0 per environment token
+    env_reward: float = 0.0  # trajectories: the environment's rewards over its turns
+    info: dict = field(default_factory=dict)  # trajectories: turns, tool calls, waits
 
     @property
     def truncated(self) -> bool:
@@ -50,6 +53,8 @@ class Rollout:
     data_after: tuple                # the data cursor's position after this step's prompts
     rewards: object = None           # rewards.RewardResult, from Scorer.judge
     seconds: dict = field(default_factory=dict)  # rollout (and reward) phase seconds
+    env: dict = field(default_factory=dict)  # multi-turn: the step's trajectory metrics
+    trajectories: list = field(default_factory=list)  # multi-turn: records to log
 
 
 @dataclass
