@@ -36,12 +36,13 @@ def test_bad_shapes_are_one_line_errors():
 
 def test_weight_sync_adapter_full_delta():
     """Adapter bytes == adapter size; full mode moves the model once per version in
-    several buckets; delta moves the changed elements only; both sides bit-equal."""
+    several buckets; delta moves the changed elements only; both sides bit-equal. And the
+    channel: an idle rollout rank outlives the timeout on beats, a silent leader does not."""
     res = launch.run([sys.executable, str(CHECKS), "adapter_bytes", "full_buckets",
-                      "full_delta"], 2, TIMEOUT_S, env=rank_env())
+                      "full_delta", "idle_beats"], 2, TIMEOUT_S, env=rank_env())
     for r in res:
         assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
-        assert "full_delta ok" in r.stdout
+        assert "idle_beats ok" in r.stdout
 
 
 def pool_args(model, steps, *extra):

@@ -53,13 +53,20 @@ class Scheduler:
 
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence and release its KV (the watchdog's exit)."""
-        dropped = self.running + self.waiting + self.swapped
+        return self.abort(lambda seq: True)
+
+    def abort(self, which) -> list[Sequence]:
+        """Drop the unfinished sequences ``which(seq)`` selects and release their KV (a
+        rollout rank's watchdog drops one order's samples, the others run on)."""
+        dropped = [s for s in self.running + self.waiting + self.swapped if which(s)]
         for seq in dropped:
             self.pool.free_seq(seq)
             seq.swap = None
             seq.status = Status.FINISHED
             seq.finish_reason = "aborted"
-        self.running, self.waiting, self.swapped = [], [], []
+        self.running = [s for s in self.running if not which(s)]
+        self.waiting = [s for s in self.waiting if not which(s)]
+        self.swapped = [s for s in self.swapped if not which(s)]
         return dropped
 
     def has_work(self) -> bool:
