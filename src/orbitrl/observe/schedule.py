@@ -2,8 +2,8 @@
 
 Each step the run feeds the simulator (``ledger/schedule.py``) the rates it measured so far
 with this step's completion lengths, and logs its prediction for the run's shape beside the
-measured step time (``time_step_predicted_s`` / ``time_step_s``). The rates are the means of
-the *previous* steps (the first step uses its own), so the number is a prediction, not a
+measured step time (``time_step_predicted_s`` / ``time_step_s``). The rates are the medians
+over the *previous* steps (the first step uses its own), so the number is a prediction, not a
 restatement. What each rate is, and why:
 
 - ``iter_s``: seconds per decode iteration of the simulator's rollout. A synchronous rollout
@@ -23,6 +23,8 @@ training rank-seconds per step).
 """
 
 from __future__ import annotations
+
+import statistics
 
 from orbitrl.ledger.schedule import StepWork, compare, measured_split, rollout_makespan, simulate
 
@@ -54,12 +56,16 @@ class StepPredictor:
         self.prompt_len = prompt_len
         self.ranks, self.train_ranks = ranks, train_ranks
         self.train_devices = devices if shape == "colocated" else devices - rollout_devices
-        self.sums = dict.fromkeys(RATES, 0.0)
+        self.seen: dict[str, list[float]] = {k: [] for k in RATES}
         self.n = 0
         self.lengths: tuple[int, ...] = ()
 
     def _rates(self, now: dict) -> dict:
-        return {k: self.sums[k] / self.n for k in self.sums} if self.n else now
+        """The median of each rate over the previous steps (robust to the first steps'
+        warm-up and to a step another process slowed), or this step's own at the first."""
+        if not self.n:
+            return now
+        return {k: statistics.median(v) for k, v in self.seen.items()}
 
     def work(self, lengths, rates: dict) -> StepWork:
         """The simulator's step from rates (seconds on this run's pools)."""
@@ -93,7 +99,7 @@ class StepPredictor:
                         None if self.shape == "colocated" else self.rollout_devices,
                         staleness=self.staleness, **self.options)
         for k, v in now.items():
-            self.sums[k] += v
+            self.seen[k].append(v)
         self.n += 1
         self.lengths = tuple(int(x) for x in lengths)
         return {"time_step_predicted_s": pred.step_s,
