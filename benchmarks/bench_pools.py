@@ -11,8 +11,9 @@ shape (Qwen2, 4 layers, hidden 128) over the built-in tokenizer's 90 tokens, ran
 initialised from a config and saved to a temporary directory, so its next-token
 distribution is nearly uniform; six of the 90 tokens end a completion (``eos_token_id`` is a
 list), so completion lengths are about geometric with mean 90/6 = 15 tokens, and at
-``rollout.max_tokens=64`` about 1% of samples reach the cap: two thirds of the steps' 64
-samples include one, and a synchronous rollout then waits on it alone. The reward is a
+``rollout.max_tokens=64`` about 1.4% of samples reach the cap: half the steps' 64 samples
+include one (the others' longest is 38-60 tokens), and a synchronous rollout waits on it
+alone. The reward is a
 verifier on the first token (1 when the completion starts with a digit, about 11% of samples
 at the start), so GRPO groups carry a signal and the update is real work. Each shape runs
 ``orbitrl train`` for 16 steps: colocated on one process and on 2 ranks (FSDP2), separated,
