@@ -71,6 +71,18 @@ def test_async_run_respects_the_staleness_bound(tiny_llama, tmp_path):
     assert "balance: measured rates propose rollout:training" in res[0].stdout
 
 
+def test_idle_rollout_rank_outlives_the_timeout(tiny_llama, tmp_path):
+    """Separated: the rollout rank waits 6 s a step (judging) and through the held-out
+    evaluations with dist.timeout_s=4, and the run still ends cleanly on both ranks."""
+    run = tmp_path / "run"
+    args = train_args(tiny_llama, "adapter", 2, "schedule.shape=separated",
+                      "reward.name=dist_rewards:slow_digits", "dist.timeout_s=4")
+    train(args, 2, run)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["time_reward_s"] > 4 for r in rows), [r["time_reward_s"] for r in rows]
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_sigkill_either_role_then_resume(tiny_llama, tmp_path, victim):
     """Rank 1 (rollout) or rank 0 (training) is killed after a checkpoint: the survivor
