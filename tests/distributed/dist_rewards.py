@@ -12,3 +12,12 @@ def digits_but_flat_on_rank1(prompt: str, completion: str, **fields) -> float:
     import os
 
     return 0.0 if os.environ.get("RANK") == "1" else digits(prompt, completion)
+
+
+def slow_digits(prompt: str, completion: str, **fields) -> float:
+    """``digits``, 1.5 s a call: judging a step of 16 samples (4 at a time) keeps the
+    training leader busy for 6 s while a separated rollout rank sits idle."""
+    import time
+
+    time.sleep(1.5)
+    return digits(prompt, completion)

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as td
 
-from orbitrl.distributed.channel import WEIGHTS, Channel
+from orbitrl.distributed.channel import FINISH, WEIGHTS, Channel
 from orbitrl.distributed.weight_sync import WeightSync, synced
 
 
@@ -35,7 +35,7 @@ def _sync(model, bucket: int, delta: bool, ch: Channel, group, rank: int, edits)
                 ch.send_header(1, WEIGHTS, v, kind, count)
             out.append(ws.send(v, announce))
         else:
-            _, ver, kind, count = ch.wait(0)
+            (_, ver, kind, count), _ = ch.wait()
             out.append(ws.receive(ver, kind, count))
         # both sides now hold the same version, bit for bit
         flat = torch.cat([p.detach().reshape(-1) for p in ws.params])
@@ -95,14 +95,49 @@ def check_full_delta(rank, ch, group):
         assert s.bytes == 12 * s.changed
 
 
+def check_idle_beats(rank, ch, group):
+    """A rollout rank idle for 4x the channel's timeout is kept alive by the leader's
+    beats; a leader that stops beating (hung) fails the rollout rank's wait within it."""
+    import time
+
+    idle = Channel(td.new_group([0, 1], backend="gloo"), 1.0)
+    silent = Channel(td.new_group([0, 1], backend="gloo"), 1.0)
+    if rank == 0:
+        idle.beat_to([1])
+        time.sleep(4.0)  # a long evaluation, say
+        idle.close()
+        idle.send_header(1, FINISH)
+        time.sleep(3.0)  # hung: alive and silent on ``silent``
+        return
+    idle.listen(0)
+    t0 = time.monotonic()
+    assert idle.wait()[0][0] == FINISH
+    assert time.monotonic() - t0 > 3.0
+    silent.listen(0)
+    t0 = time.monotonic()
+    try:
+        silent.wait()
+    except RuntimeError as e:
+        assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
+        assert "timeout" in str(e).lower() or "timed out" in str(e).lower(), e
+    else:
+        raise AssertionError("a silent leader was not noticed")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     td.init_process_group("gloo")
     rank = td.get_rank()
     group = td.new_group([0, 1])
     ch = Channel(td.new_group([0, 1], backend="gloo"), 60)
+    if rank == 1:
+        ch.listen(0)
     for name in sys.argv[1:]:
         globals()[f"check_{name}"](rank, ch, group)
         print(f"rank {rank}: {name} ok", flush=True)
+    if rank == 0:
+        ch.send_header(1, FINISH)
+    else:
+        assert ch.wait()[0][0] == FINISH
     td.barrier()
     td.destroy_process_group()

@@ -36,12 +36,13 @@ def test_bad_shapes_are_one_line_errors():
 
 def test_weight_sync_adapter_full_delta():
     """Adapter bytes == adapter size; full mode moves the model once per version in
-    several buckets; delta moves the changed elements only; both sides bit-equal."""
+    several buckets; delta moves the changed elements only; both sides bit-equal. And the
+    channel: an idle rollout rank outlives the timeout on beats, a silent leader does not."""
     res = launch.run([sys.executable, str(CHECKS), "adapter_bytes", "full_buckets",
-                      "full_delta"], 2, TIMEOUT_S, env=rank_env())
+                      "full_delta", "idle_beats"], 2, TIMEOUT_S, env=rank_env())
     for r in res:
         assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
-        assert "full_delta ok" in r.stdout
+        assert "idle_beats ok" in r.stdout
 
 
 def pool_args(model, steps, *extra):
@@ -68,6 +69,18 @@ def test_async_run_respects_the_staleness_bound(tiny_llama, tmp_path):
     assert [r["sync_version"] for r in rows] == [r["policy_version"] for r in rows]
     assert all(r["time_step_predicted_s"] > 0 for r in rows)
     assert "balance: measured rates propose rollout:training" in res[0].stdout
+
+
+def test_idle_rollout_rank_outlives_the_timeout(tiny_llama, tmp_path):
+    """Separated: the rollout rank waits 6 s a step (judging) and through the held-out
+    evaluations with dist.timeout_s=4, and the run still ends cleanly on both ranks."""
+    run = tmp_path / "run"
+    args = train_args(tiny_llama, "adapter", 2, "schedule.shape=separated",
+                      "reward.name=dist_rewards:slow_digits", "dist.timeout_s=4")
+    train(args, 2, run)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["time_reward_s"] > 4 for r in rows), [r["time_reward_s"] for r in rows]
 
 
 @pytest.mark.parametrize("victim", [1, 0])

@@ -27,7 +27,8 @@ class Roles:
 
     ``train_dist``: the training pool as a :class:`Dist` (one process: ``world == 1``);
     ``sync_group``: the leader and the rollout ranks (weight broadcasts, the run's backend);
-    ``ctrl_group``: every rank over gloo (orders and samples, ``channel.py``)."""
+    ``ctrl_group``: every rank over gloo (orders and samples, ``channel.py``);
+    ``channel``: this rank's end of it, beating from the start (``channel.py``)."""
     shape: str
     rank: int
     world: int
@@ -37,6 +38,7 @@ class Roles:
     train_dist: Dist = field(default_factory=Dist)
     sync_group: object = None
     ctrl_group: object = None
+    channel: object = None
 
     @property
     def is_rollout(self) -> bool:
@@ -45,6 +47,29 @@ class Roles:
     @property
     def is_leader(self) -> bool:
         return self.rank == LEADER
+
+    def start(self):
+        """Open this rank's channel: the leader beats to the rollout ranks, a rollout rank
+        listens to the leader and beats back (so either may sit idle for longer than
+        ``dist.timeout_s`` while the other builds, evaluates or checkpoints)."""
+        from orbitrl.distributed.channel import Channel
+
+        self.channel = Channel(self.ctrl_group, self.timeout_s)
+        if self.is_leader:
+            self.channel.beat_to(self.rollout_ranks)
+        elif self.is_rollout:
+            self.channel.listen(LEADER)
+            self.channel.beat_back(LEADER)
+
+    def finish(self):
+        """Leader, at the very end of the run: the rollout ranks may leave (they waited,
+        beaten, through the held-out evaluation and the final checkpoint)."""
+        from orbitrl.distributed.channel import FINISH
+
+        if self.is_leader and self.channel is not None:
+            self.channel.close()
+            for r in self.rollout_ranks:
+                self.channel.send_header(r, FINISH)
 
 
 def check_schedule(cfg, world: int):
@@ -82,5 +107,7 @@ def assign_roles(cfg, dist: Dist) -> Roles | None:
     sync = torch.distributed.new_group([LEADER] + rollout, timeout=wait)
     ctrl = torch.distributed.new_group(list(range(dist.world)), backend="gloo", timeout=wait)
     train_dist = Dist(timeout_s=dist.timeout_s)  # one training rank (check_schedule)
-    return Roles(cfg.schedule.shape, dist.rank, dist.world, rollout, train,
-                 dist.timeout_s, train_dist, sync, ctrl)
+    roles = Roles(cfg.schedule.shape, dist.rank, dist.world, rollout, train,
+                  dist.timeout_s, train_dist, sync, ctrl)
+    roles.start()
+    return roles

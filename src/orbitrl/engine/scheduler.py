@@ -84,13 +84,24 @@ class Scheduler:
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence, parked ones included, and release its KV (the
         watchdog's exit)."""
-        dropped = self.running + self.waiting + self.swapped + self.parked
+        return self.abort(lambda seq: True)
+
+    def abort(self, which) -> list[Sequence]:
+        """Drop the unfinished sequences ``which(seq)`` selects, parked ones included, and
+        release their KV (a rollout rank's watchdog drops one order's samples, the others
+        run on)."""
+        dropped = [s for s in self.running + self.waiting + self.swapped + self.parked
+                   if which(s)]
         for seq in dropped:
             self.pool.free_seq(seq)
             seq.swap = None
             seq.status = Status.FINISHED
             seq.finish_reason = "aborted"
-        self.running, self.waiting, self.swapped, self.parked = [], [], [], []
+        gone = {id(s) for s in dropped}
+        self.running = [s for s in self.running if id(s) not in gone]
+        self.waiting = [s for s in self.waiting if id(s) not in gone]
+        self.swapped = [s for s in self.swapped if id(s) not in gone]
+        self.parked = [s for s in self.parked if id(s) not in gone]
         return dropped
 
     def has_work(self) -> bool:

@@ -12,6 +12,7 @@ def sample_metrics(samples, gen_tokens: int, seconds: dict) -> dict:
     lens = [len(s.completion_ids) for s in samples] or [0]
     return {
         "completion_len_mean": sum(lens) / len(lens),
+        "completion_len_max": max(lens),  # the long tail a synchronous rollout waits on
         "truncated_frac": sum(s.truncated for s in samples) / max(1, len(samples)),
         "tokens_per_s": gen_tokens / max(seconds.get("rollout", 0.0), 1e-9),
     }

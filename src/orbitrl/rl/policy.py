@@ -61,7 +61,9 @@ def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
     return model
 
 
-def build_policy(cfg: Config, device) -> Policy:
+def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
+    """The policy as the run trains it; ``reference=False`` skips full mode's int8
+    reference (a rollout rank of separate pools never scores)."""
     path = resolve_model_path(cfg.model.path)
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     if cfg.train.mode == "adapter":
@@ -85,11 +87,13 @@ def build_policy(cfg: Config, device) -> Policy:
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
         residency = place_on_tiers(model, device, tiers) if tiers else None
-        reference = load_base(path, "int8", dtype, "cpu")  # host-resident, frozen
-        for p in reference.parameters():
-            p.requires_grad_(False)
+        want_ref, reference = reference, None
+        if want_ref:
+            reference = load_base(path, "int8", dtype, "cpu")  # host-resident, frozen
+            for p in reference.parameters():
+                p.requires_grad_(False)
         ref_residency = None
-        if device.type != "cpu" or tiers:
+        if reference is not None and (device.type != "cpu" or tiers):
             ref_residency = place_on_tiers(reference, device, tiers or 2)
     model.recompute = cfg.train.recompute or cfg.train.tiers > 0
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)

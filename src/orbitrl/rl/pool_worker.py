@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from orbitrl.distributed.channel import ORDER, STOP, WEIGHTS, Channel
+from orbitrl.distributed.channel import FINISH, ORDER, STOP, WEIGHTS, Channel
 from orbitrl.distributed.roles import LEADER
 from orbitrl.distributed.weight_sync import WeightSync, synced
 from orbitrl.engine import Request, SamplingParams
@@ -47,13 +47,13 @@ class RolloutWorker:
         engine: its engine; ``encode``: prompt text -> token ids, as training encodes it.
     """
 
-    def __init__(self, cfg, roles, policy, engine, encode, channel: Channel):
+    def __init__(self, cfg, roles, policy, engine, encode):
         self.cfg, self.roles, self.engine, self.encode = cfg, roles, engine, encode
         self.model = policy.model
         s = cfg.schedule
         self.sync = WeightSync(synced(self.model), roles.sync_group, LEADER,
                                int(s.sync_bucket_mb * 2**20), s.sync_delta)
-        self.ch = channel
+        self.ch: Channel = roles.channel
         self.version = -1
         self.orders: dict[int, _Order] = {}
         self.requests: dict[int, tuple[int, int]] = {}  # engine request -> (step, group)
@@ -61,29 +61,35 @@ class RolloutWorker:
         self.next_req = 0
         self.between_steps = s.shape == "async"
         self.cut = s.partial == "cut"
-        self.counters = {"cut_samples": 0, "syncs": 0, "sync_s": 0.0}
+        self.timeout_s = cfg.rollout.timeout_s  # the watchdog, per order (0: none)
+        self.counters = {"cut_samples": 0, "syncs": 0, "sync_s": 0.0, "watchdog_events": 0,
+                         "watchdog_dropped": 0}
 
     def run(self):
-        """Until the leader says stop."""
+        """Until the leader says stop; then wait (beaten) for the end of the run."""
         self.engine.begin_stream()
         self.model.eval()
         while True:
             busy = bool(self.orders)
             if not busy:
-                hdr = self.ch.wait(LEADER)
+                msg = self.ch.wait()
             elif self.between_steps:
-                hdr = self.ch.poll(LEADER)
+                msg = self.ch.poll()
             else:
-                hdr = None
-            if hdr is not None:
-                if self._handle(hdr):
+                self.ch.tick()
+                msg = None
+            if msg is not None:
+                if self._handle(*msg):
                     break
                 continue
+            self._watchdog()
             self._step()
-        self.ch.flush()
+        self.ch.goodbye(LEADER)
+        while self.ch.wait()[0][0] != FINISH:
+            pass
 
-    def _handle(self, hdr: tuple) -> bool:
-        """One header from the leader; True on stop."""
+    def _handle(self, hdr: tuple, order) -> bool:
+        """One header from the leader (and its order); True on stop."""
         kind, a, b, c = hdr
         if kind == STOP:
             return True
@@ -94,10 +100,31 @@ class RolloutWorker:
             self.counters["sync_s"] += st.seconds
             self.counters["cut_samples"] += self.engine.weights_changed(self.cut)
         elif kind == ORDER:
-            self._add(self.ch.recv_order(LEADER))
+            self._add(order)
         else:
-            raise RuntimeError(f"rollout rank {self.roles.rank}: unknown header {hdr}")
+            raise RuntimeError(f"rollout rank {self.roles.rank}: unexpected header {hdr}")
         return False
+
+    def _watchdog(self):
+        """An order running past ``rollout.timeout_s`` drops its unfinished samples (their
+        KV released) and goes to the leader with the groups that finished whole, as the
+        colocated watchdog does; the other orders run on."""
+        if not self.timeout_s:
+            return
+        now = time.perf_counter()
+        for o in [o for o in self.orders.values() if now - o.t0 > self.timeout_s]:
+            reqs = {k for k, v in self.requests.items() if v[0] == o.step}
+            dropped = self.engine.scheduler.abort(lambda seq: seq.req_index in reqs)
+            self.engine.decode.reset()
+            for seq in dropped:
+                self.versions.pop((seq.req_index, seq.sample), None)
+            n = self.cfg.rollout.n
+            whole = {g for g in range(len(o.prompts))
+                     if sum(1 for (gg, _) in o.samples if gg == g) == n}
+            o.samples = {k: v for k, v in o.samples.items() if k[0] in whole}
+            self.counters["watchdog_events"] += 1
+            self.counters["watchdog_dropped"] += len(dropped)
+            self._send(o, watchdog=1)
 
     def _add(self, order: dict):
         """Queue an order's prompts (n samples each, seeds as the colocated run draws them)."""
@@ -145,7 +172,7 @@ class RolloutWorker:
         if o.left == 0:
             self._send(o)
 
-    def _send(self, o: _Order):
+    def _send(self, o: _Order, watchdog: int = 0):
         eng = self.engine
         samples = [o.samples[k] for k in sorted(o.samples)]
         for k in [k for k, v in self.requests.items() if v[0] == o.step]:
@@ -155,10 +182,12 @@ class RolloutWorker:
         eng.timeline.clear()
         self.ch.send_result(LEADER, {
             "step": o.step, "rank": self.roles.rank, "first": o.first, "samples": samples,
+            "watchdog": watchdog,
             "gen_tokens": eng.stats["generated_tokens"] - o.tokens0,
             "engine_steps": eng.stats["steps"] - o.steps0,
             "seconds": time.perf_counter() - o.t0,
             "engine_seconds": eng.stats["seconds"], "engine_steps_total": eng.stats["steps"],
+            "gen_tokens_total": eng.stats["generated_tokens"],
             "version": self.version, **self.counters})
 
 
@@ -171,12 +200,11 @@ def run_rollout_rank(cfg, roles, train_rows: list[dict]):
 
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     device = pick_device(cfg.model.device)
-    policy = build_policy(cfg, device)
+    policy = build_policy(cfg, device, reference=False)  # (it never scores)
     tok = policy.tokenizer
 
     def encode(text: str) -> list[int]:
         return encode_prompt(tok, text, cfg.data.chat_template)
     prompt_len = max(len(encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
-    engine, _ = build_engine(cfg, policy.model, tok, policy.reference, device, prompt_len, 1)
-    channel = Channel(roles.ctrl_group, roles.timeout_s)
-    RolloutWorker(cfg, roles, policy, engine, encode, channel).run()
+    engine, _ = build_engine(cfg, policy.model, tok, None, device, prompt_len, 1)
+    RolloutWorker(cfg, roles, policy, engine, encode).run()

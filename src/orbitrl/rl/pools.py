@@ -40,11 +40,11 @@ class PoolRollouts:
     """Args:
         cfg: the run's Config; roles: this rank's Roles (the leader's).
         data: the run's DataCursor; model: the policy (its trainable tensors are synced).
-        channel: the leader's Channel.
     """
 
-    def __init__(self, cfg, roles: Roles, data, model, channel: Channel):
-        self.cfg, self.roles, self.data, self.ch = cfg, roles, data, channel
+    def __init__(self, cfg, roles: Roles, data, model):
+        self.cfg, self.roles, self.data = cfg, roles, data
+        self.ch: Channel = roles.channel
         s = cfg.schedule
         self.ahead = steps_ahead(cfg)
         self.sync = WeightSync(synced(model), roles.sync_group, LEADER,
@@ -93,6 +93,9 @@ class PoolRollouts:
         t0 = time.perf_counter()
         while len(self.results.get(step, {})) < len(self.roles.rollout_ranks):
             src, res = self.ch.recv_result()
+            if res is None:
+                raise RuntimeError(f"rollout rank {src} left before step {step}: connection "
+                                   "closed")
             self.results.setdefault(res["step"], {})[src] = res
         waited = time.perf_counter() - t0
         parts = sorted(self.results.pop(step).values(), key=lambda p: p["first"])
@@ -102,7 +105,7 @@ class PoolRollouts:
         if self.cfg.schedule.stale_policy == "drop":
             samples, row["stale_dropped_groups"] = self._drop_stale(samples, version)
         ro = Rollout(samples=samples, gen_tokens=sum(p["gen_tokens"] for p in parts),
-                     watchdog=0, timeline=[], governor={},
+                     watchdog=sum(p["watchdog"] for p in parts), timeline=[], governor={},
                      data_after=self.positions.pop(step),
                      seconds={"rollout": max(p["seconds"] for p in parts)})
         row.update(self._columns(parts, samples, version))
@@ -116,22 +119,26 @@ class PoolRollouts:
     def _columns(self, parts, samples, version: int) -> dict:
         toks = [version - v for s in samples for v in (s.token_versions or [])]
         steps = sum(p["engine_steps_total"] for p in parts)
+        secs = sum(p["engine_seconds"] for p in parts)
+        toks_total = sum(p["gen_tokens_total"] for p in parts)
         return {"staleness_token_mean": sum(toks) / len(toks) if toks else 0.0,
                 "rollout_cut_samples": sum(p["cut_samples"] for p in parts),
                 "rollout_sync_s": max(p["sync_s"] for p in parts),
-                "rollout_engine_step_s": (sum(p["engine_seconds"] for p in parts) / steps
-                                          if steps else 0.0),
+                "rollout_watchdog_dropped": sum(p["watchdog_dropped"] for p in parts),
+                # the rollout ranks' engines over the run so far (one rank's rate)
+                "rollout_engine_step_s": secs / steps if steps else 0.0,
+                "rollout_width": toks_total / steps if steps else 0.0,
+                "rollout_tokens_per_s": toks_total / secs if secs else 0.0,
                 "queue_ahead": self.ahead,
                 "queue_waiting_steps": len(self.results)}
 
     def stop(self):
-        """Take in what was handed out and not trained (a run stopped early), then tell
-        every rollout rank to finish."""
-        if self.issued is not None:
-            want = {s for s in self.positions}
-            while any(len(self.results.get(s, {})) < len(self.roles.rollout_ranks)
-                      for s in want):
-                src, res = self.ch.recv_result()
-                self.results.setdefault(res["step"], {})[src] = res
+        """Tell every rollout rank to stop, and take in what they still send (the orders
+        handed out and not trained, when a run stops early) up to each one's goodbye."""
         for r in self.roles.rollout_ranks:
             self.ch.send_header(r, STOP)
+        left = set(self.roles.rollout_ranks)
+        while left:
+            src, res = self.ch.recv_result()
+            if res is None:
+                left.discard(src)

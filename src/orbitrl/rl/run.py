@@ -83,6 +83,8 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     summary.update(schedule_summary(trainer, cfg, world, echo))
     if coll.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if roles is not None:  # the rollout ranks waited through evaluation and checkpoints
+        roles.finish()
     return summary
 
 

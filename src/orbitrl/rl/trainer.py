@@ -133,7 +133,7 @@ class RLTrainer:
         self.resume_snapshots: dict | None = None  # its adapter snapshots, from a checkpoint
         self._last_step_end: float | None = None
         self.pool, self._pool_row = self._pools(), {}
-        self.predictor = self._predictor()
+        self.predictor = self._predictor(prompt_len)
         # polled between decode steps and micro-batches: True abandons the step in flight
         # (run.py sets it from SIGTERM on one process; ranks under torchrun stop together
         # at step boundaries instead, since a rank leaving mid-step would hang the others)
@@ -147,13 +147,11 @@ class RLTrainer:
         """The leader's side of separate pools (None: colocated)."""
         if self.roles is None:
             return None
-        from orbitrl.distributed.channel import Channel
         from orbitrl.rl.pools import PoolRollouts
 
-        return PoolRollouts(self.cfg, self.roles, self.data, self.model,
-                            Channel(self.roles.ctrl_group, self.roles.timeout_s))
+        return PoolRollouts(self.cfg, self.roles, self.data, self.model)
 
-    def _predictor(self):
+    def _predictor(self, prompt_len: int):
         """The planner's step time beside the measured one (not for the in-process
         overlap: the simulator's one_step shape needs two devices)."""
         from orbitrl.observe.schedule import StepPredictor
@@ -161,13 +159,17 @@ class RLTrainer:
         if self.cfg.rollout.overlap:
             return None
         s = self.cfg.schedule
-        if self.roles is None:
-            return StepPredictor("colocated", self.coll.world, self.coll.world, 1,
-                                 self.engine.scheduler.max_num_seqs)
+        slots = self.engine.scheduler.max_num_seqs
+        if self.roles is None:  # each rank generates and trains its share: one device each
+            return StepPredictor("colocated", 1, 1, 1, slots, self.coll.world,
+                                 self.coll.world, prompt_len=prompt_len)
         from orbitrl.rl.pools import steps_ahead
 
-        return StepPredictor(s.shape, self.roles.world, len(self.roles.rollout_ranks),
-                             steps_ahead(self.cfg), self.engine.scheduler.max_num_seqs)
+        r = self.roles
+        return StepPredictor(s.shape, r.world, len(r.rollout_ranks), steps_ahead(self.cfg),
+                             slots, r.world, len(r.train_ranks),
+                             "reprefill" if s.partial == "cut" else "keep_kv",
+                             s.stale_policy, prompt_len)
 
     def encode(self, text: str) -> list[int]:  # as data.chat_template says
         return encode_prompt(self.tok, text, self.cfg.data.chat_template)
@@ -262,17 +264,27 @@ class RLTrainer:
         return training_row(self.model, self.tok, [s.prompt_ids for s in samples[::r.n]]
                             [:lg.align_prompts], min(16, r.max_tokens))
 
-    def _predicted(self, ro: Rollout, seconds: dict, row: dict) -> dict:
+    def _predicted(self, ro: Rollout, seconds: dict, row: dict, waited: float | None) -> dict:
         """The planner's step time from the measured rates (observe/schedule.py)."""
         if self.predictor is None:
             return {}
-        if self.pool is not None or "rollout_engine_step_s" in row:
-            decode = row.get("rollout_engine_step_s", 0.0)
+        g = {k: seconds.get(k, 0.0) for k in ("rollout", "reward", "score", "train")}
+        sync = row.get("time_sync_s", 0.0)
+        if self.pool is not None:
+            step_s, width = row["rollout_engine_step_s"], row["rollout_width"]
+            gen_rate, front = row["rollout_tokens_per_s"], waited or 0.0
         else:
-            decode = sum(t for _, _, t in ro.timeline) / max(1, len(ro.timeline))
-        return self.predictor([len(s.completion_ids) for s in ro.samples], decode,
-                              seconds.get("score", 0.0) + seconds.get("reward", 0.0),
-                              seconds.get("train", 0.0), row.get("time_sync_s", 0.0))
+            tl = ro.timeline
+            step_s = sum(t for _, _, t in tl) / max(1, len(tl))
+            width = sum(n for n, _, _ in tl) / max(1, len(tl))
+            gen_rate = ro.gen_tokens / g["rollout"] if g["rollout"] > 0 else 0.0
+            front = g["rollout"]
+        other = row["time_step_s"] - front - g["reward"] - g["score"] - g["train"] - sync
+        return self.predictor(
+            [len(s.completion_ids) for s in ro.samples], rollout_s=g["rollout"],
+            engine_step_s=step_s, width=width, score_s=g["score"] + g["reward"],
+            train_s=g["train"], sync_s=sync, other_s=other, gen_tokens=ro.gen_tokens,
+            gen_tok_s=gen_rate)
 
     def _hand_back(self) -> dict:
         """The rollout's transient (KV growth, sampling) goes back before training; on the
@@ -309,7 +321,7 @@ class RLTrainer:
             row.update(self.flops(b.tokens if b else 0, b.scoring_passes if b else 0,
                                   b is not None, ro.timeline, seconds, ro.seconds, step_s,
                                   waited))
-            row.update(self._predicted(ro, seconds, row))
+            row.update(self._predicted(ro, seconds, row, waited))
         row.update(self._alignment(ro.samples))
         if self.overlap is not None:
             self.overlap.trained(self.iteration + 1, self.step_idx)
