@@ -54,7 +54,12 @@ def build(family, h, w, e, k):
 
 
 def timed(fn, x, backward: bool) -> float:
+    """Seconds of one call (and its backward); gradients start empty, as after a training
+    step's ``zero_grad(set_to_none=True)`` (otherwise each repeat adds into the last one's,
+    a pass over every weight's gradient that no training step makes)."""
     x = x.detach().requires_grad_(backward)
+    for p in fn.parameters():
+        p.grad = None
     t = time.perf_counter()
     if backward:
         fn(x).sum().backward()

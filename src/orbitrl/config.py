@@ -37,6 +37,9 @@ class ModelSection:
     # keep the frozen base's projections dequantized (compute dtype) when they fit in this
     # many MB: no dequantization per call for small models (0: always per call)
     dequant_cache_mb: int = 256
+    # fp32 on a CPU: attention computed in fp64 and rounded back, in the engine and the
+    # trainer, so rollout logprobs equal the trainer's (docs/moe.md); false: plain fp32
+    attention_fp64: bool = True
 
     def __post_init__(self):
         _require(self, "model", ("dequant_cache_mb",), lambda v: v >= 0, ">= 0")

@@ -213,3 +213,26 @@ def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
     wt = blk.experts[3].down_proj.weight
     wt.data = wt.data.clone()
     assert moe._packed_weights(blk) is None and blk.packed is None
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
+    """A token's sparse-layer output is the same to the bit alone, in a few tokens or in a
+    large batch (each expert's short slice padded to moe.row_count rows, the shared gate
+    through a padded GEMM): what lets an engine step of few tokens give the trainer's
+    numbers (the routing-replay gap, docs/moe.md)."""
+    from contextlib import nullcontext
+
+    from orbitrl.engine.model_runner import RowPadded
+
+    path, _ = hf_dirs[family]
+    layer = orbitrl.load_model(path).model.layers[0].mlp
+    x = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        big = layer(x)[0]
+        for n in range(1, 40):  # below ROW_FLOOR tokens the engine pads every GEMM too
+            with RowPadded() if n < moe.ROW_FLOOR else nullcontext():
+                assert torch.equal(layer(x[:, :n])[0], big[:n]), f"{n} tokens"
+    x.requires_grad_(True)  # the trainer's path (loop over experts, autograd)
+    assert torch.equal(layer(x[:, :20])[0].detach(), big[:20])
+    assert [moe.row_count(m) for m in (1, 3, 4, 5, 11, 12, 13)] == [4, 4, 4, 8, 12, 12, 13]

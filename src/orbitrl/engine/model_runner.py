@@ -7,11 +7,50 @@ samples the updated policy with nothing copied or synced.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
-from orbitrl.model.moe import Routing, record_routing, wants_routing
+from orbitrl.model.moe import ROW_FLOOR, Routing, record_routing, row_count, wants_routing
+
+
+class RowPadded(TorchFunctionMode):
+    """Runs every GEMM (``F.linear``, ``addmm``, ``mm``, ``matmul`` against a matrix) of a
+    step of fewer than ``ROW_FLOOR`` tokens on ``moe.row_count`` rows (zero rows appended,
+    dropped after): on a CPU a GEMM of such a row count takes other kernels and rounds each
+    row differently from the trainer's larger batches, and the rollout's logprobs would
+    carry that difference (docs/moe.md, "Routing replay")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GEMMS and len(args) >= 2:
+            a = 1 if func is torch.addmm else 0  # the row operand
+            x, w = args[a], args[a + 1]
+            if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and \
+                    x.dim() >= 2 and w.dim() == 2:
+                m = x.numel() // x.shape[-1]
+                if row_count(m) != m:
+                    return _padded_gemm(func, a, list(args), kwargs, m)
+        return func(*args, **kwargs)
+
+
+def _padded_gemm(func, a: int, args: list, kwargs: dict, m: int):
+    x = args[a]
+    extra = row_count(m) - m
+    args[a] = F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, extra))
+    if a == 1:  # addmm's added matrix: broadcast to [m, n], padded alike
+        c = args[0]
+        args[0] = F.pad(c.expand(m, -1) if c.dim() < 2 else c, (0, 0, 0, extra))
+    out = func(*args, **kwargs)[:m]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_GEMMS = (F.linear, torch.addmm, torch.mm, torch.matmul, torch.Tensor.__matmul__,
+          torch.Tensor.mm)
 
 
 class ModelRunner:
@@ -36,16 +75,20 @@ class ModelRunner:
                 done.append(seq)
         dev = self.model.device
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
-                                    [(s.block_table, s.num_computed, n) for s, n in items])
+                                    [(s.block_table, s.num_computed, n) for s, n in items],
+                                    exact=getattr(self.model, "attention_fp64", True))
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
-        hidden = self.model(ids_t, positions=pos_t, attn=attn, return_hidden=True,
-                            routing=routing)[0]
+        small = dev.type == "cpu" and len(ids) < ROW_FLOOR
+        with RowPadded() if small else nullcontext():
+            hidden = self.model(ids_t, positions=pos_t, attn=attn, return_hidden=True,
+                                routing=routing)[0]
         if routing is not None:
             record_routing(items, routing)
         if not rows:
             return None, done
         last = hidden.index_select(0, torch.tensor(rows, device=dev))
-        return self.model.lm_head(last).float(), done
+        with RowPadded() if dev.type == "cpu" and len(rows) < ROW_FLOOR else nullcontext():
+            return self.model.lm_head(last).float(), done

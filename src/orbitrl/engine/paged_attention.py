@@ -12,7 +12,8 @@ and nothing else.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from orbitrl.model.attention import sdpa
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -111,14 +112,15 @@ class PagedAttention:
     its new tokens occupy positions start .. start + num_new - 1.
     """
 
-    def __init__(self, cache: KVCache, windows: list, scale: float):
+    def __init__(self, cache: KVCache, windows: list, scale: float, exact: bool = True):
         self.cache, self.windows, self.scale = cache, windows, scale
+        self.exact = exact  # model.attention.sdpa: fp32 CPU attention in fp64
         self._masks: dict = {}
 
     @classmethod
     def build(cls, cache: KVCache, windows: list, scale: float,
-              items: list[tuple[list[int], int, int]]) -> "PagedAttention":
-        self = cls(cache, windows, scale)
+              items: list[tuple[list[int], int, int]], exact: bool = True) -> "PagedAttention":
+        self = cls(cache, windows, scale, exact)
         dev, bs = cache.k.device, cache.block_size
         ar = torch.arange(bs, device=dev)
         nd = 0
@@ -183,14 +185,12 @@ class PagedAttention:
             vc = vc.view(b, c, hkv, d).transpose(1, 2)
             # the G query heads sharing one kv head act as G queries of that head
             qd = q[:b].view(b, hkv, hq // hkv, d)
-            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=self._mask("dec", window),
-                                               scale=self.scale)
+            o = sdpa(qd, kc, vc, self._mask("dec", window), self.scale, self.exact)
             out[:b] = o.reshape(b, hq, d)
         for i, (t0, t1, _, slots) in enumerate(self.prefills):
             kc, vc = self.cache.read(layer, slots)
-            o = F.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
-                vc.transpose(0, 1)[None], attn_mask=self._mask(i, window), scale=self.scale,
-                enable_gqa=hq != hkv)
+            o = sdpa(q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                     vc.transpose(0, 1)[None], self._mask(i, window), self.scale, self.exact,
+                     enable_gqa=hq != hkv)
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]

@@ -34,11 +34,31 @@ def build_mask(seq_ids: torch.Tensor, positions: torch.Tensor,
     return mask[:, None]
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float, exact: bool = True, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on [..., H, T, D]; with ``exact``, fp32 inputs on
+    a CPU are computed in fp64 and rounded back to fp32.
+
+    Why: the engine attends over each sequence's own paged keys, the trainer over packed
+    rows whose other sequences' keys are masked out, so fp32 SDPA reduces the same sums in
+    different orders (its blocks and vector lanes follow the layout) and the two differ by
+    ulps, which the layers above amplify into 1e-5..1e-4 of a sampled token's logprob. In
+    fp64 the orders still differ but the rounded fp32 results agree (to 1 ulp at worst), so
+    a rollout's logprobs are the trainer's to the bit wherever the rest of the model
+    is row-invariant (docs/moe.md, "Routing replay")."""
+    if exact and q.dtype == torch.float32 and q.device.type == "cpu":
+        out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                             attn_mask=mask, scale=scale,
+                                             enable_gqa=enable_gqa)
+        return out.float()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: [B, 1, T, S] -> [B, T, Hq, D]."""
+                    mask: torch.Tensor | None, scale: float, exact: bool = True) -> torch.Tensor:
+    """q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: [B, 1, T, S] -> [B, T, Hq, D].
+    ``exact``: see :func:`sdpa`."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         is_causal=False, enable_gqa=gqa)
+    out = sdpa(q, k, v, mask, scale, exact, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         if attn is not None:
             out = attn(self.layer_idx, q, k, v)
         else:
-            out = dense_attention(q, k, v, masks(self.window), self.scale)
+            out = dense_attention(q, k, v, masks(self.window), self.scale, masks.exact)
         return self.o_proj(out.reshape(B, T, self.nh * self.hd))
 
 
@@ -112,8 +112,9 @@ class Backbone(nn.Module):
 class _Masks:
     """Builds the dense mask once per distinct sliding window within one forward."""
 
-    def __init__(self, seq_ids, positions, parent_ids=None):
+    def __init__(self, seq_ids, positions, parent_ids=None, exact: bool = True):
         self.seq_ids, self.positions, self.parent_ids = seq_ids, positions, parent_ids
+        self.exact = exact  # attention.sdpa: fp32 CPU attention computed in fp64
         self.cache = {}
 
     def __call__(self, window):
@@ -134,6 +135,8 @@ class Decoder(nn.Module):
         offload_activations: with ``recompute``, keep those saved layer inputs in (pinned)
             host memory until backward needs them (``torch.autograd.graph.save_on_cpu``);
             a no-op when the model already lives on the host.
+        attention_fp64: fp32 attention on a CPU computed in fp64 and rounded back, by this
+            forward and by the engine's paged attention (``model.attention.sdpa``).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -149,6 +152,9 @@ class Decoder(nn.Module):
         # mixtures: record/replay routing, router loss weights (moe.configure sets them)
         self.routing_replay = cfg.moe is not None
         self.router_aux_coef = self.router_z_coef = 0.0
+        # fp32 CPU attention in fp64, here and in the engine (attention.sdpa; the config
+        # key model.attention_fp64 sets it): rollout logprobs equal the trainer's
+        self.attention_fp64 = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 seq_ids: torch.Tensor | None = None, attn: AttentionBackend | None = None,
@@ -178,7 +184,7 @@ class Decoder(nn.Module):
             seq_ids = torch.zeros_like(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        masks = _Masks(seq_ids, positions, parent_ids)
+        masks = _Masks(seq_ids, positions, parent_ids, self.attention_fp64)
         if routing is not None:
             routing.valid = seq_ids.reshape(-1) >= 0
         offload = (self.offload_activations and x.device.type != "cpu"

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.quant import FrozenLinear
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # projection names (gate, up, down) of one expert, per family
@@ -209,14 +210,22 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     ``index_add_`` (in expert order per token, as transformers adds them). One host sync
     (the per-expert counts) per call. ``packed``: the stacked buffers and weights of
     :func:`pack_experts` (from ``_packed_weights``), computed in grouped GEMMs instead of the
-    per-expert loop.
+    per-expert loop. On a CPU an expert's slice of fewer than ``ROW_FLOOR`` rows is padded
+    with zero rows to :func:`row_count` (see there), so a token's result does not depend on
+    how many other tokens chose its experts.
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
     token = order // k  # [N * k] token of each sorted slot
-    xs = x.index_select(0, token)
+    pad = x.device.type == "cpu" and any(0 < c < ROW_FLOOR and row_count(c) != c
+                                          for c in counts)
+    if pad:  # zero rows (index N) after each short slice; ``keep`` drops them again
+        token_p, keep, counts = _padded_slots(token, counts, N)
+        xs = torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, token_p)
+    else:
+        xs = x.index_select(0, token)
     if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
         (gu, dn), weights_ = packed
         ys = _PackedExperts.apply(xs, counts, gu, dn, *weights_)
@@ -225,8 +234,38 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
         parts = xs.split(counts)
         ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if counts[e]])
+    if pad:
+        ys = ys.index_select(0, keep)
     ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
+
+
+# An MKL fp32 GEMM computes a row of its output the same way whatever the row count M,
+# except for M < 12 that is not a multiple of 4 (measured with 1, 2 and 4 threads: M = 1, 2,
+# 3, 5, 6, 7, 9, 10, 11 take other kernels and differ from the M >= 12 result by ulps).
+ROW_FLOOR = 12
+
+
+def row_count(m: int) -> int:
+    """The rows a matmul of ``m`` rows runs with on a CPU so that each row's result is the
+    one it gets in any larger batch: ``m`` itself from ``ROW_FLOOR`` up, else ``m`` rounded
+    up to a multiple of 4 (at most 3 zero rows)."""
+    return m if m >= ROW_FLOOR else -(-m // 4) * 4
+
+
+def _padded_slots(token: torch.Tensor, counts: list[int], zero_row: int):
+    """The sorted slots' token index with each short expert slice padded by ``zero_row``
+    entries to :func:`row_count` rows; the positions of the real slots in it; the padded
+    counts."""
+    padded = [row_count(c) if c else 0 for c in counts]
+    starts, at = [], 0
+    for c, p in zip(counts, padded):
+        starts.append(at)
+        at += p
+    keep = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts) if c])
+    token_p = torch.full((at,), zero_row, dtype=token.dtype)
+    token_p[keep] = token.cpu()
+    return token_p.to(token.device), keep.to(token.device), padded
 
 
 class Expert(nn.Module):
@@ -306,8 +345,21 @@ class SparseMoE(nn.Module):
                 routing.logits[self.moe_index] = (logits, ids)
         out = grouped_experts(x, ids, w, self.experts, _packed_weights(self))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self._shared_gate(x) * self.shared_expert(x)
         return out.view(shape)
+
+    def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(shared_expert_gate(x)) [N, 1]. A one-column GEMM and a sigmoid over N
+        contiguous values round a row differently depending on N (other kernels for other
+        sizes, a scalar tail), so on a CPU the weight is padded to 16 zero rows: every
+        row then takes the row-invariant GEMM and the vectorised sigmoid."""
+        lin = self.shared_expert_gate
+        w = lin.weight if type(lin) is nn.Linear else None
+        if isinstance(lin, FrozenLinear):
+            w = lin.compute_weight(x.dtype)
+        if w is None or lin.bias is not None or x.device.type != "cpu":
+            return torch.sigmoid(lin(x))
+        return torch.sigmoid(F.linear(x, F.pad(w, (0, 0, 0, 15))))[:, :1]
 
 
 def pack_experts(model) -> int:
@@ -404,7 +456,10 @@ class _PackedExperts(torch.autograd.Function):
             rows = slice(start, start + c)
             start += c
             g_a = ga[rows].t() @ xs[rows]  # [2W, H]
-            grads += [g_a[:W], g_a[W:], gy[rows].t() @ h[rows]]
+            # down's weight is a transposed (column-major, dense) view: its gradient made
+            # in that layout becomes the .grad as it is; a row-major one would be copied
+            # into it (a transposing copy, a third of the backward at 16 tokens)
+            grads += [g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()]
         return (gx, None, None, None, *grads)
 
 

@@ -96,6 +96,7 @@ def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
         if reference is not None and (device.type != "cpu" or tiers):
             ref_residency = place_on_tiers(reference, device, tiers or 2)
     model.recompute = cfg.train.recompute or cfg.train.tiers > 0
+    model.attention_fp64 = cfg.model.attention_fp64
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
     tok = load_tokenizer(path, model.config.vocab_size)
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
