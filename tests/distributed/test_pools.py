@@ -1,6 +1,7 @@
 """Separate pools on 2 ranks (rank 0 trains, rank 1 generates): weight sync bytes and
 exactness, a short async run's staleness bound and per-token versions read from
-metrics.jsonl, and SIGKILL of either role followed by --resume."""
+metrics.jsonl, and SIGKILL of either role followed by --resume. On 3 ranks (2 training +
+1 rollout): the training pool's FSDP2 run against the 1 + 1 run, through a resume."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dist_helpers import TIMEOUT_S, metrics, rank_env, train, train_args
+from dist_helpers import (TIMEOUT_S, final_weights, max_diff, metrics, rank_env, train,
+                          train_args)
 
 import launch
 from orbitrl.config import load_config
@@ -32,6 +34,7 @@ def test_bad_shapes_are_one_line_errors():
         check_schedule(load_config(overrides=["schedule.shape=async",
                                               "rollout.overlap=true"]), 2)
     check_schedule(load_config(), 1)  # colocated: anything goes
+    check_schedule(load_config(overrides=["schedule.shape=async"]), 4)  # 3 train + 1
 
 
 def test_weight_sync_adapter_full_delta():
@@ -116,3 +119,25 @@ def test_sigkill_either_role_then_resume(tiny_llama, tmp_path, victim):
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["staleness_max"] <= 2 for r in rows)
+
+
+def test_training_pool_of_two_ranks_matches_one(tiny_llama, tmp_path):
+    """1 rollout rank + 2 training ranks (FSDP2 over the training group only, full mode:
+    the shards are gathered whole for each sync) against 1 + 1: the same samples, the same
+    global gradient and weights. The 2-rank pool checkpoints on its own group (one shard
+    file per training rank)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = train_args(tiny_llama, "full", 3, "schedule.shape=separated", "checkpoint.every=2")
+    train(args, 2, one)
+    train(args, 3, two)
+    shards = sorted(p.name for p in (two / "checkpoints" / "step-000002").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
+    a, b = metrics(one), metrics(two)
+    assert [r["step"] for r in b] == [0, 1, 2]
+    assert all(r["groups_kept"] == 4 for r in b)  # 2 + 2 over the training ranks
+    for k, rel in (("reward_mean", 0), ("grad_norm", 1e-4), ("kl", 1e-4)):
+        assert [r[k] for r in b] == pytest.approx([r[k] for r in a], rel=rel, abs=1e-6), k
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], abs=1e-6)
+    whole = sum(t.numel() * t.element_size() for t in final_weights(one, "full").values())
+    assert {r["sync_bytes"] for r in b} == {whole}  # the model once per version
+    assert max_diff(final_weights(one, "full"), final_weights(two, "full")) < 1e-5

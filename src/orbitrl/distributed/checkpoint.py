@@ -59,12 +59,12 @@ def shard_like(full: torch.Tensor, like) -> torch.Tensor:
     return dim0_shard(local_rows(full, like).to(like.to_local().device), like, full.shape)
 
 
-def save(tensors: dict, path: Path) -> None:
+def save(tensors: dict, path: Path, group=None) -> None:
     """Every rank writes its shards of ``tensors`` (flat ``{key: tensor or DTensor}``) under
-    ``path``; a collective when a process group is up."""
+    ``path``; a collective over ``group`` (None: every rank) when a process group is up."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, checkpoint_id=str(path))
+    dcp.save(tensors, checkpoint_id=str(path), process_group=group)
 
 
 def stored(path: Path) -> dict:
@@ -80,13 +80,14 @@ def stored(path: Path) -> dict:
             for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def load(targets: dict, path: Path) -> dict:
+def load(targets: dict, path: Path, group=None) -> dict:
     """Fill ``targets`` (``{key: tensor or DTensor}`` of the wanted layout) in place from
-    the checkpoint at ``path``; works with or without a process group."""
+    the checkpoint at ``path``; works with or without a process group (``group``: the ranks
+    that load together, None: every rank)."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(targets, checkpoint_id=str(path))
+        dcp.load(targets, checkpoint_id=str(path), process_group=group)
     except Exception as e:
         raise OrbitError(f"{path}: cannot load the distributed checkpoint ({e})") from None
     return targets

@@ -21,13 +21,19 @@ from orbitrl.errors import OrbitError
 
 @dataclass
 class Dist:
-    """This process's place in the run (``world == 1``: one process, no process group)."""
+    """This process's place in the run (``world == 1``: one process, no process group).
+
+    ``group``: the process group the reductions run over (None: every rank). Separate pools
+    (``roles.py``) give the training ranks their own: ``rank`` and ``world`` are then this
+    process's place in the training pool, whose ranks are the first ``world`` global ones
+    (so a group rank is the global rank)."""
 
     rank: int = 0
     world: int = 1
     local_rank: int = 0
     backend: str | None = None
     timeout_s: float = 300.0
+    group: object = None
 
     @property
     def enabled(self) -> bool:
@@ -41,9 +47,13 @@ class Dist:
     def share(self, n: int) -> tuple[int, int]:
         """[start, end) of this rank's contiguous share of ``n`` items (the first ``n %
         world`` ranks take one more)."""
+        return self.share_of(n, self.rank)
+
+    def share_of(self, n: int, rank: int) -> tuple[int, int]:
+        """[start, end) of ``rank``'s share of ``n`` items."""
         base, extra = divmod(n, self.world)
-        start = self.rank * base + min(self.rank, extra)
-        return start, start + base + (1 if self.rank < extra else 0)
+        start = rank * base + min(rank, extra)
+        return start, start + base + (1 if rank < extra else 0)
 
     # ---- reductions (identity on one process) -----------------------------------------
     def all_sum(self, x):
@@ -62,12 +72,12 @@ class Dist:
         if isinstance(x, torch.Tensor):
             if x.device != self.comm_device and self.backend == "nccl":  # NCCL: GPU only
                 t = x.to(self.comm_device)
-                torch.distributed.all_reduce(t, op=op)
+                torch.distributed.all_reduce(t, op=op, group=self.group)
                 return x.copy_(t)
-            torch.distributed.all_reduce(x, op=op)
+            torch.distributed.all_reduce(x, op=op, group=self.group)
             return x
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.comm_device)
-        torch.distributed.all_reduce(t, op=op)
+        torch.distributed.all_reduce(t, op=op, group=self.group)
         return float(t.item())
 
     def gather_objects(self, obj) -> list:
@@ -75,20 +85,30 @@ class Dist:
         if not self.enabled:
             return [obj]
         out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        torch.distributed.all_gather_object(out, obj, group=self.group)
         return out
+
+    def scatter_objects(self, objs: list | None):
+        """Rank 0 hands ``objs[r]`` to rank r (``objs`` is read on rank 0 only); returns
+        this rank's."""
+        if not self.enabled:
+            return objs[0]
+        box = [None]
+        torch.distributed.scatter_object_list(box, objs if self.rank == 0 else None, src=0,
+                                              group=self.group)
+        return box[0]
 
     def broadcast_object(self, obj):
         """Rank 0's ``obj`` on every rank."""
         if not self.enabled:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def barrier(self):
         if self.enabled:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=self.group)
 
     @property
     def comm_device(self) -> torch.device:

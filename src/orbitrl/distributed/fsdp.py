@@ -44,11 +44,13 @@ def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True
         prefetch_layers: 1 issues the all-gather of the next layer (forward) or the previous
             one (backward) while the current one computes; 0 gathers on demand.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dev = "cuda" if dist.backend == "nccl" else "cpu"
-    mesh = init_device_mesh(dev, (dist.world,))
+    # a training pool beside rollout ranks shards over its own group only
+    mesh = init_device_mesh(dev, (dist.world,)) if dist.group is None else \
+        DeviceMesh.from_group(dist.group, dev)
     head = model.lm_head.weight
     if not head.is_contiguous():  # undo Decoder.head_column_major: shards split rows
         head.data = head.data.contiguous()

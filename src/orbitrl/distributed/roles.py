@@ -5,7 +5,11 @@ Rank 0 is always a training rank and the *leader*: it owns the data cursor and t
 checkpoints, hands prompts out to the rollout ranks, receives their samples and streams the
 weights back to them (``channel.py``, ``weight_sync.py``). The training ranks form their own
 process group, so the trainer's collectives (FSDP2, reductions) never wait on a rollout
-rank; the weights travel over a second group of the leader and the rollout ranks.
+rank; the weights travel over a second group of the leader and the rollout ranks. A
+training pool of several ranks shards the policy over its own group (FSDP2 on a device mesh
+of the training ranks only) and reduces gradients, metrics and checkpoints there; the leader
+alone talks to the rollout ranks and splits each step's samples over the training ranks
+(``rl/pools.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ LEADER = 0
 class Roles:
     """This process's role and the groups it needs.
 
-    ``train_dist``: the training pool as a :class:`Dist` (one process: ``world == 1``);
+    ``train_dist``: the training pool as a :class:`Dist` over its own group (one process:
+    ``world == 1``; a rollout rank's is unused);
     ``sync_group``: the leader and the rollout ranks (weight broadcasts, the run's backend);
     ``ctrl_group``: every rank over gloo (orders and samples, ``channel.py``);
     ``channel``: this rank's end of it, beating from the start (``channel.py``)."""
@@ -88,10 +93,6 @@ def check_schedule(cfg, world: int):
                          "schedule.shape colocated (one_step is its form across ranks)")
     if cfg.train.tiers:
         raise OrbitError("config key 'train.tiers': one process only")
-    if world - s.rollout_ranks > 1:
-        raise OrbitError(f"config key 'schedule.rollout_ranks': {s.rollout_ranks} of {world} "
-                         "ranks leaves a training pool of several ranks; separated pools "
-                         "train on one rank at present (set rollout_ranks to world - 1)")
 
 
 def assign_roles(cfg, dist: Dist) -> Roles | None:
@@ -106,7 +107,12 @@ def assign_roles(cfg, dist: Dist) -> Roles | None:
     wait = timedelta(seconds=dist.timeout_s)  # (a group's own; the default's is not inherited)
     sync = torch.distributed.new_group([LEADER] + rollout, timeout=wait)
     ctrl = torch.distributed.new_group(list(range(dist.world)), backend="gloo", timeout=wait)
-    train_dist = Dist(timeout_s=dist.timeout_s)  # one training rank (check_schedule)
+    train_dist = Dist(timeout_s=dist.timeout_s)  # one training rank: no group
+    if len(train) > 1:
+        group = torch.distributed.new_group(train, timeout=wait)  # the run's backend
+        if dist.rank in train:
+            train_dist = Dist(dist.rank, len(train), dist.local_rank, dist.backend,
+                              dist.timeout_s, group)
     roles = Roles(cfg.schedule.shape, dist.rank, dist.world, rollout, train,
                   dist.timeout_s, train_dist, sync, ctrl)
     roles.start()

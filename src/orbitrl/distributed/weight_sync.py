@@ -15,6 +15,11 @@ bucketed, two-in-flight stream; the leader keeps a copy of what it last sent to 
 against (one more copy of the trainable weights on the leader), and the first sync of a
 run is always full. The receiver applies a version between engine steps (the caller's
 business), never in the middle of one.
+
+A training pool of several ranks holds the tensors sharded (FSDP2 DTensors): before each
+send every training rank gathers them whole, tensor by tensor in the list's order (the
+leader in :meth:`WeightSync.send`, the others in :meth:`WeightSync.join`), so the stream is
+the one a single training rank sends.
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ FULL, DELTA = 0, 1
 def synced(model) -> list[tuple[str, torch.Tensor]]:
     """The ``(HF name, parameter)`` pairs a sync moves: what the policy trains."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def whole(params) -> list[torch.Tensor]:
+    """The tensors whole: a sharded one is all-gathered over its mesh (every rank of it
+    must call this with the same list), a plain one is itself."""
+    from orbitrl.model.dtensor import is_dtensor
+
+    with torch.no_grad():
+        return [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in params]
 
 
 def name_digest(pairs) -> int:
@@ -126,16 +140,17 @@ class WeightSync:
         return DELTA if self.delta and self.last is not None else FULL
 
     # ---- full ---------------------------------------------------------------------------
-    def _full(self, sending: bool) -> int:
+    def _full(self, sending: list | None) -> int:
+        """``sending``: the leader's whole tensors (None: receive into ``self.params``)."""
         def make(i):
-            if not sending:
+            if sending is None:
                 n = sum(self.sizes[k] for k in self.groups[i])
                 return torch.empty(n, dtype=torch.uint8, device=self.device)
-            return torch.cat([self.params[k].detach().reshape(-1).view(torch.uint8)
+            return torch.cat([sending[k].reshape(-1).view(torch.uint8)
                               for k in self.groups[i]])
 
         def take(i, buf):
-            if sending:
+            if sending is not None:
                 return
             off = 0
             for k in self.groups[i]:
@@ -146,10 +161,11 @@ class WeightSync:
         return len(self.groups)
 
     # ---- delta --------------------------------------------------------------------------
-    def changed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat indices, values) of the elements that differ from the last version sent."""
+    def changed(self, params) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat indices, values) of the elements of ``params`` (whole) that differ from the
+        last version sent."""
         idx, vals = [], []
-        for k, (p, old) in enumerate(zip(self.params, self.last)):
+        for k, (p, old) in enumerate(zip(params, self.last)):
             flat = p.detach().reshape(-1)
             where = (flat != old).nonzero().squeeze(1)
             idx.append(where + int(self.offsets[k]))
@@ -197,20 +213,26 @@ class WeightSync:
         """Leader: announce the version to each rollout rank (``announce(kind, count)``
         sends the header), then stream it. Returns what moved and how long it took."""
         t0, kind = time.perf_counter(), self.kind()
+        params = whole(self.params)  # (a gather over the training pool when sharded)
         if kind == DELTA:
-            idx, vals = self.changed()
+            idx, vals = self.changed(params)
             announce(DELTA, idx.numel())
             nb = self._send_delta(idx, vals)
             moved, elems = idx.numel() * (8 + vals.element_size()), idx.numel()
-            for k, p in enumerate(self.params):  # what the receivers now hold
-                self.last[k].copy_(p.detach().reshape(-1))
+            for k, p in enumerate(params):  # what the receivers now hold
+                self.last[k].copy_(p.reshape(-1))
         else:
             announce(FULL, self.digest)
-            nb, moved, elems = self._full(True), self.total_bytes, self.numel
+            nb, moved, elems = self._full(params), self.total_bytes, self.numel
             if self.delta:
-                self.last = [p.detach().reshape(-1).clone() for p in self.params]
+                self.last = [p.reshape(-1).clone() for p in params]
         return SyncStats(version, moved, time.perf_counter() - t0, nb,
                          "delta" if kind == DELTA else "full", elems)
+
+    def join(self) -> None:
+        """A training rank other than the leader: its part of the leader's gathers (a
+        no-op when the tensors are not sharded)."""
+        whole(self.params)
 
     def receive(self, version: int, kind: int, count: int) -> SyncStats:
         """Rollout rank: take the version the header announced (``count``: the names'
@@ -221,7 +243,7 @@ class WeightSync:
                 if count != self.digest:
                     raise RuntimeError("weight sync: the rollout rank's trainable tensors "
                                        "differ from the trainer's (names, shapes or dtypes)")
-                nb, moved, elems = self._full(False), self.total_bytes, self.numel
+                nb, moved, elems = self._full(None), self.total_bytes, self.numel
             else:
                 nb = self._recv_delta(count)
                 moved, elems = count * (8 + self.params[0].element_size()), count

@@ -13,6 +13,12 @@ run ``rollout.queue_size`` ahead and groups past the bound are dropped at traini
 counted in ``stale_dropped_groups``. Results that arrive early (another step's, another
 rank's) wait in a dictionary bounded by ``ahead + 1`` steps: backpressure is that the
 rollout ranks get no new prompts until training catches up.
+
+A training pool of several ranks: the leader still alone talks to the rollout ranks; each
+step's samples are split over the training ranks by prompt, as colocated ranks split a
+batch (``Dist.share``), and each trains its share (the loss normalised over the global
+batch, ``distributed/batch.py``). The other training ranks (:class:`PoolShare`) take their
+share from the leader and join the gathers of each weight sync.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class PoolRollouts:
 
     def __init__(self, cfg, roles: Roles, data, model):
         self.cfg, self.roles, self.data = cfg, roles, data
+        self.train = roles.train_dist  # the training pool (one rank: world 1)
         self.ch: Channel = roles.channel
         s = cfg.schedule
         self.ahead = steps_ahead(cfg)
@@ -54,6 +61,8 @@ class PoolRollouts:
         self.results: dict[int, dict] = {}  # step -> {rollout rank: result}
         self.last: dict = {}  # the latest result's counters (rollout side)
         self.synced_version: int | None = None
+        self.lens: list[int] = []  # the whole step's completion lengths (the predictor's)
+        self.gen_tokens = 0  # and the tokens the rollout ranks generated for it
 
     # ---- weights ------------------------------------------------------------------------
     def push(self, version: int) -> dict:
@@ -85,8 +94,35 @@ class PoolRollouts:
             self.issued += 1
 
     def get(self, step: int, version: int) -> tuple[Rollout, float, dict]:
-        """Step ``step``'s samples (every rollout rank's share, in prompt order), the
-        seconds training waited for them, and the row's pool columns."""
+        """Step ``step``'s samples (every rollout rank's share, in prompt order; this
+        training rank's share of them), the seconds training waited for them, and the
+        row's pool columns."""
+        ro, waited, row = self._gather(step, version)
+        self.lens = [len(s.completion_ids) for s in ro.samples]
+        self.gen_tokens = ro.gen_tokens
+        if not self.train.enabled:
+            return ro, waited, row
+        return self.train.scatter_objects(self._split(ro, waited, row))
+
+    def _split(self, ro: Rollout, waited: float, row: dict) -> list[tuple]:
+        """Each training rank's (share, waited, row): its prompts' samples; the pool
+        columns and the watchdog count on the leader's row only (the metrics row takes
+        them from there), the generated tokens by completion length with the remainder on
+        the leader's (so their sum, ``tokens_per_s``, is the rollout's)."""
+        P, T = self.cfg.rollout.prompts_per_step, self.train.world
+        out = []
+        for r in range(T):
+            a, b = self.train.share_of(P, r)
+            mine = [s for s in ro.samples if a <= s.group < b]
+            out.append(Rollout(mine, sum(len(s.completion_ids) for s in mine), 0, [], {},
+                               ro.data_after, seconds=dict(ro.seconds)))
+        lead = out[0]
+        lead.gen_tokens = ro.gen_tokens - sum(x.gen_tokens for x in out[1:])
+        lead.watchdog = ro.watchdog
+        return [(x, waited, row if r == 0 else {}) for r, x in enumerate(out)]
+
+    def _gather(self, step: int, version: int) -> tuple[Rollout, float, dict]:
+        """Every rollout rank's samples of step ``step``, in prompt order."""
         if self.issued is None:
             self.issued = step
         self._issue(step + self.ahead)
@@ -142,3 +178,25 @@ class PoolRollouts:
             src, res = self.ch.recv_result()
             if res is None:
                 left.discard(src)
+
+
+class PoolShare:
+    """A training rank other than the leader: its share of each step's samples from the
+    leader (``PoolRollouts.get``), and its part of each weight sync's gathers."""
+
+    def __init__(self, roles: Roles, model):
+        self.train = roles.train_dist
+        self.sync = WeightSync(synced(model), None, LEADER, 1)  # (gathers only: no group)
+        self.synced_version: int | None = None
+
+    def push(self, version: int) -> dict:
+        if version != self.synced_version:  # as the leader decides
+            self.sync.join()
+            self.synced_version = version
+        return {}
+
+    def get(self, step: int, version: int) -> tuple[Rollout, float, dict]:
+        return self.train.scatter_objects(None)
+
+    def stop(self):
+        pass

@@ -147,8 +147,10 @@ class RLTrainer:
         """The leader's side of separate pools (None: colocated)."""
         if self.roles is None:
             return None
-        from orbitrl.rl.pools import PoolRollouts
+        from orbitrl.rl.pools import PoolRollouts, PoolShare
 
+        if not self.roles.is_leader:  # another rank of a training pool: the leader's share
+            return PoolShare(self.roles, self.model)
         return PoolRollouts(self.cfg, self.roles, self.data, self.model)
 
     def _predictor(self, prompt_len: int):
@@ -166,6 +168,8 @@ class RLTrainer:
         from orbitrl.rl.pools import steps_ahead
 
         r = self.roles
+        if not r.is_leader:  # the leader predicts the whole step
+            return None
         return StepPredictor(s.shape, r.world, len(r.rollout_ranks), steps_ahead(self.cfg),
                              slots, r.world, len(r.train_ranks),
                              "reprefill" if s.partial == "cut" else "keep_kv",
@@ -270,9 +274,11 @@ class RLTrainer:
             return {}
         g = {k: seconds.get(k, 0.0) for k in ("rollout", "reward", "score", "train")}
         sync = row.get("time_sync_s", 0.0)
-        if self.pool is not None:
+        lens, gen = [len(s.completion_ids) for s in ro.samples], ro.gen_tokens
+        if self.pool is not None:  # (the whole step's, not this training rank's share)
             step_s, width = row["rollout_engine_step_s"], row["rollout_width"]
             gen_rate, front = row["rollout_tokens_per_s"], waited or 0.0
+            lens, gen = self.pool.lens, self.pool.gen_tokens
         else:
             tl = ro.timeline
             step_s = sum(t for _, _, t in tl) / max(1, len(tl))
@@ -281,10 +287,9 @@ class RLTrainer:
             front = g["rollout"]
         other = row["time_step_s"] - front - g["reward"] - g["score"] - g["train"] - sync
         return self.predictor(
-            [len(s.completion_ids) for s in ro.samples], rollout_s=g["rollout"],
-            engine_step_s=step_s, width=width, score_s=g["score"] + g["reward"],
-            train_s=g["train"], sync_s=sync, other_s=other, gen_tokens=ro.gen_tokens,
-            gen_tok_s=gen_rate)
+            lens, rollout_s=g["rollout"], engine_step_s=step_s, width=width,
+            score_s=g["score"] + g["reward"], train_s=g["train"], sync_s=sync, other_s=other,
+            gen_tokens=gen, gen_tok_s=gen_rate)
 
     def _hand_back(self) -> dict:
         """The rollout's transient (KV growth, sampling) goes back before training; on the

@@ -90,7 +90,7 @@ class Checkpointer:
             tmp.mkdir()
         d.barrier()
         tensors, meta = capture_sharded(tr, extra)
-        dcp.save(tensors, tmp)
+        dcp.save(tensors, tmp, d.group)
         if d.is_main:
             self._publish(meta, tmp / "meta.pt", final, step)
         d.barrier()

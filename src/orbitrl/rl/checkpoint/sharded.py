@@ -125,7 +125,7 @@ def restore_sharded(tr, path: Path) -> dict:
             p = adapter_parameters(tr.model)[int(key.split("/")[1])]
             targets[key] = dcp.empty_target(shape, dtype, p, True)
     with torch.no_grad():
-        dcp.load(targets, path)  # parameters are filled in place
+        dcp.load(targets, path, tr.dist.group)  # parameters are filled in place
     fused = is_fused(tr.opt)
     tr.opt.state.clear()
     for n, p in by_name.items():
