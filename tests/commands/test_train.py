@@ -77,6 +77,7 @@ def _autopeft_against_ours(adapter_dir):
     assert (adapter_dir / "tokenizer_config.json").exists()
     pm = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir), dtype=torch.float32).eval()
     ours = orbitrl.load_model(base)
+    ours.attention_fp64 = False  # transformers' fp32 attention order, as the parity tests
     ids = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = ours(ids)
