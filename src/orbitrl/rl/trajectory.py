@@ -42,6 +42,7 @@ class Trajectory:
     prefill: list = field(default_factory=list)  # tokens prefilled per resumed turn
     history: list = field(default_factory=list)  # tokens in context at each resume
     env_reward: float = 0.0
+    turn_rewards: list = field(default_factory=list)  # (index of the turn's end, reward)
     info: dict = field(default_factory=dict)
     wait_s: float = 0.0
     end: str = ""  # "" running; done | max_turns | length | env_error | env_timeout
@@ -277,6 +278,8 @@ class TurnLoop:
         except OrbitError as e:
             return self._fail(t, str(e), stats)
         t.env_reward += res.reward
+        if res.reward:  # the turn it answers ends at the last token so far (a model token)
+            t.turn_rewards.append((len(t.tokens) - 1, float(res.reward)))
         for k, v in res.info.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 t.info[k] = t.info.get(k, 0) + v
@@ -333,7 +336,8 @@ def trajectory_samples(trajs: list[Trajectory], n: int, version: int, first: int
                         env_wait_s=t.wait_s, log=t.log)
             out.append(Sample(first + g, t.info["prompt_ids"], t.tokens, t.logprobs, finish,
                               t.text, t.row, version, loss_mask=t.mask,
-                              env_reward=t.env_reward, info=info))
+                              env_reward=t.env_reward, turn_rewards=list(t.turn_rewards),
+                              info=info))
     return out
 
 
