@@ -353,6 +353,7 @@ def trajectory_metrics(trajs: list[Trajectory], stats: dict) -> dict:
         "env_turns_mean": sum(t.turns for t in started if t) / max(1, len(started)),
         "env_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajs),
         "env_tool_errors": sum(t.info.get("tool_errors", 0) for t in trajs),
+        "env_tool_frac": sum(bool(t.info.get("tool_calls")) for t in trajs) / k,
         "env_answer_hits_frac": sum(bool(t.info.get("answer_hits")) for t in trajs) / k,
         "env_errors": stats["env_errors"], "env_timeouts": stats["env_timeouts"],
         "env_dropped": sum(t.end not in ("done", "max_turns", "length") for t in trajs),
