@@ -42,8 +42,8 @@ def sft_loss(model: Decoder, batch: list[tuple[list[int], list[int]]]) -> torch.
 
     The batch is laid out as padded rows ([B, T_max], padding marked ``seq_ids == -1``),
     not as one packed row: the attention mask of a packed row is dense over the whole
-    batch's tokens (quadratic in B), while padded rows cost B * T_max^2 (at batch 32 of the
-    tool task, ten times less time on the CPU).
+    batch's tokens (quadratic in B), while padded rows cost B * T_max^2 (a forward and
+    backward at batch 32 of the tool task: 0.16 s against 0.27 s on one CPU thread).
     """
     seqs = [p + a for p, a in batch]
     width = max(len(s) for s in seqs)
