@@ -137,3 +137,33 @@ def test_qwen_style_tool_call_through_the_chat_template(chat_model, monkeypatch)
     assert exact_match("347*58=", s.text, answer="20126") == 1.0
     assert s.loss_mask == t.mask and len(s.completion_ids) == len(s.loss_mask)
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_template_that_ignores_tools_is_warned_about(chat_model):
+    model, tok = chat_model
+    plain = _tokenizer()
+    plain.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + "
+                           "m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                           "{%- endif %}")
+    cfg = Config()
+    cfg.data.chat_template = True
+    cfg.env.name, cfg.env.tool_results = "tools", "template"
+    schemas = tool_schemas(build_tools(["calculator"]))
+    for t, warns in ((plain, True), (tok, False)):
+        loop = TurnLoop(Engine(model, t, kv_budget_bytes=1 << 20), t, None, cfg, schemas)
+        with pytest.warns(UserWarning, match="ignores `tools`") if warns else \
+                _no_warning():
+            loop.fmt.prompt("1+1=", None)
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self.ctx = warnings.catch_warnings()
+        self.ctx.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)

@@ -17,6 +17,7 @@ step's metrics; the step trains on the rest.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 from orbitrl.engine import Request, SamplingParams
@@ -75,7 +76,17 @@ class TurnFormat:
     def prompt(self, obs: str, encode) -> tuple[list[int], list]:
         messages = [{"role": "user", "content": obs}]
         if self.chat:
-            return self.ids(self.render(messages, True)), messages
+            text = self.render(messages, True)
+            if self.schemas and not getattr(self, "_checked", False):
+                self._checked = True
+                bare = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=False)
+                if bare == text:  # e.g. SmolLM2's template: the model never sees the tools
+                    warnings.warn("env.tools: the model's chat template ignores `tools`; the "
+                                  "prompt does not list them (describe them in the data's "
+                                  "prompts or use a template that renders tools)",
+                                  stacklevel=2)
+            return self.ids(text), messages
         return list(encode(obs)), messages
 
     def observation(self, traj: Trajectory, obs: str, so_far: str) -> list[int]:
