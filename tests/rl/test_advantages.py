@@ -116,3 +116,31 @@ def test_overlong_penalty_and_filter():
         overlong_penalty(torch.tensor([1]), max_len=10, buffer=0)
     mask = torch.ones(2, 3)
     close(overlong_filter(mask, torch.tensor([False, True])), [[1, 1, 1], [0, 0, 0]])
+
+
+def test_per_turn_rewards_sit_at_the_end_of_their_turns():
+    # a trajectory: model tokens 0-1 (turn 1), environment tokens 2-3 (mask 0), model
+    # tokens 4-5 (turn 2); the environment rewarded turn 1 with .5, the verifier the
+    # answer with 1. gamma .9, lam .8, V = [.1, .2, -, -, .3, .4] (garbage on env tokens):
+    # t5: delta = 1 - .4 = .6                          A5 = .6
+    # t4: delta = .9*.4 - .3 = .06                     A4 = .06 + .72*.6 = .492
+    # t1: delta = .5 + .9*.3 - .2 = .57                A1 = .57 + .72*.492 = .92424
+    # t0: delta = .9*.2 - .1 = .08                     A0 = .08 + .72*.92424 = .7454528
+    from orbitrl.config import AlgoSection
+    from orbitrl.rl.advantages import turn_reward_tensor
+    from orbitrl.rl.score import ppo_advantages
+
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 1]])
+    v = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4]])
+    turn = turn_reward_tensor([[(1, 0.5)]], mask.shape)
+    close(turn, [[0, 0.5, 0, 0, 0, 0]])
+    tok = shape_token_rewards(torch.tensor([1.0]), mask, extra=turn)
+    close(tok, [[0, 0.5, 0, 0, 0, 1.0]])
+    adv, ret = gae(tok, v, mask, gamma=0.9, lam=0.8)
+    close(adv, [[0.7454528, 0.92424, 0, 0, 0.492, 0.6]])
+    algo = AlgoSection(name="ppo", gamma=0.9, lam=0.8, kl_in_reward=False)
+    _, ret2 = ppo_advantages(algo, torch.tensor([1.0]), v, mask, None, 0.0, turn)
+    close(ret2, [[0.8454528, 1.12424, 0, 0, 0.792, 1.0]])
+    # the sum in the sequence reward instead credits turn 2 with turn 1's reward too
+    _, summed = ppo_advantages(algo, torch.tensor([1.5]), v, mask, None, 0.0)
+    assert summed[0, 5] == pytest.approx(1.5) and summed[0, 4] > ret2[0, 4] + 0.3

@@ -99,6 +99,8 @@ def test_five_turns_linear_prefill(tiny, wait):
     assert eng.pool.num_free == eng.pool.num_blocks  # every trajectory's KV released
     samples = trajectory_samples(trajs, 2, version=3)
     assert len(samples) == 4 and all(s.env_reward == 0.5 for s in samples)
+    # the reward of the turn that ended the trajectory sits on that turn's last token
+    assert all(s.turn_rewards == [(len(s.completion_ids) - 1, 0.5)] for s in samples)
     for s, t in zip(samples, trajs):
         assert len(s.loss_mask) == len(s.completion_ids) == len(s.rollout_logprobs)
         assert sum(s.loss_mask) == 5 * 3 and s.info["turns"] == 5

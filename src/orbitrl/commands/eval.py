@@ -142,7 +142,7 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
     from orbitrl.engine import Engine
     from orbitrl.model.tokenizer import encode_prompt
-    from orbitrl.rl.evaluate import Evaluator
+    from orbitrl.rl.evaluate import Evaluator, tool_summary
 
     engine = Engine(model, tok)
     encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
@@ -159,7 +159,13 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     total = sum(r["score"] for r in records)
     print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
           + (f" + adapter {adapter}" if adapter else ""))
+    tools = tool_summary(records)
+    if tools is not None:  # multi-turn: the accuracy is the completion rate
+        print(f"tools: called in {tools['tool_use_rate']:.1%} of trajectories, correctly "
+              f"(returned the answer) in {tools['tool_correct_rate']:.1%}; solved with a "
+              f"tool {tools['tool_solved_rate']:.1%}, without {tools['solved_without_tool']:.1%}"
+              f"; {tools['tool_errors']} tool errors, {tools['turns_mean']:.2f} turns")
     if args.out:
-        Path(args.out).write_text(json.dumps({"accuracy": acc, "n": len(rows),
+        Path(args.out).write_text(json.dumps({"accuracy": acc, "n": len(rows), **(tools or {}),
                                               "rows": records}, indent=1))
     return 0

@@ -16,6 +16,9 @@ def add_arguments(parser):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (0: torch's default; one is fastest for small "
+                        "models on a shared machine)")
     parser.add_argument("--out", required=True, help="output model directory")
 
 
@@ -29,6 +32,8 @@ def run(args) -> int:
     from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft
 
     torch.manual_seed(args.seed)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     model = load_model(path)
     tok = load_tokenizer(path, model.config.vocab_size)

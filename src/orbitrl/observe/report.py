@@ -35,6 +35,8 @@ PLOTS = [
     ("alignment", "Engine vs trainer (check-alignment, log.align_every)",
      lambda k: k in ("align_l1_max", "align_l1_mean", "align_logprob_gap_max",
                      "align_topk_agreement")),
+    ("tools", "Tool use (fraction of trajectories) and turns per trajectory",
+     lambda k: k in ("env_tool_frac", "env_answer_hits_frac", "env_turns_mean")),
     ("sandbox", "Code reward outcomes (counts per step)",
      lambda k: k.startswith("reward_code_") and k not in ("reward_code_mean",
                                                            "reward_code_pass_rate")),

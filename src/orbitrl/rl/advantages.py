@@ -60,7 +60,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def shape_token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None,
-                        kl_coef: float = 0.0) -> Tensor:
+                        kl_coef: float = 0.0, extra: Tensor | None = None) -> Tensor:
     """Token-level rewards: the sample's reward on its last valid token, minus kl_coef * kl
     on every valid token (KL as a reward penalty, as in PPO-RLHF and REINFORCE++).
 
@@ -68,6 +68,8 @@ def shape_token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None,
         rewards: [B] outcome reward per sample.
         mask: [B, T] completion mask (right padded).
         kl: [B, T] per-token KL estimate (see losses.kl_estimate; k1 is the usual choice here).
+        extra: [B, T] rewards already placed on tokens (a trajectory's per-turn rewards at
+            the end of each turn, ``turn_reward_tensor``), added where the mask is 1.
 
     Returns:
         [B, T] token rewards, 0 on padding.
@@ -83,6 +85,18 @@ def shape_token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None,
     out[rows, last[rows]] = rewards.float()[rows]
     if kl is not None and kl_coef:
         out = out - kl_coef * kl.detach().float() * m
+    if extra is not None:
+        out = out + extra.float() * m
+    return out
+
+
+def turn_reward_tensor(turn_rewards: list, shape, device=None) -> Tensor:
+    """[B, T] token rewards from each sample's ``(completion index, reward)`` pairs (the
+    environment's reward of a turn at that turn's last model token); 0 elsewhere."""
+    out = torch.zeros(shape, device=device)
+    for b, pairs in enumerate(turn_rewards):
+        for j, r in pairs or ():
+            out[b, j] += r
     return out
 
 

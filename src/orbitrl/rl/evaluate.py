@@ -76,6 +76,8 @@ class Evaluator:
         records = [{"prompt": r[d.prompt_field], "completion": s.text, "answer":
                     r.get(d.answer_field), "score": x,
                     **({"turns": s.info["turns"], "tool_calls": s.info.get("tool_calls", 0),
+                        "tool_errors": s.info.get("tool_errors", 0),
+                        "tool_correct": s.info.get("answer_hits", 0) > 0,
                         "trajectory": _transcript(s)} if s.info.get("turns") else {}),
                     **({"error": failed[i]} if i in failed else {})}
                    for i, (r, s, x) in enumerate(zip(rows, samples, res.rewards))]
@@ -94,6 +96,23 @@ class Evaluator:
 class _Dropped:
     """A held-out row whose trajectory was dropped: an empty answer, scored 0."""
     text, info = "", {}
+
+
+def tool_summary(records: list[dict]) -> dict | None:
+    """Multi-turn records' tool use: the fraction of trajectories that called a tool, that
+    called it correctly (a tool returned the row's answer), that called it and answered
+    right, and the tool errors; None for single-turn records."""
+    if not any("turns" in r for r in records):
+        return None
+    n = max(1, len(records))
+    used = [r for r in records if r.get("tool_calls", 0)]
+    return {"tool_use_rate": len(used) / n,
+            "tool_correct_rate": sum(bool(r.get("tool_correct")) for r in records) / n,
+            "tool_solved_rate": sum(r["score"] for r in used) / n,
+            "solved_without_tool": sum(r["score"] for r in records
+                                       if not r.get("tool_calls", 0)) / n,
+            "tool_errors": sum(r.get("tool_errors", 0) for r in records),
+            "turns_mean": sum(r.get("turns", 0) for r in records) / n}
 
 
 def _transcript(sample) -> str:

@@ -68,11 +68,13 @@ def compute_advantages(algo: AlgoSection, rewards: torch.Tensor, group_size: int
 
 
 def ppo_advantages(algo: AlgoSection, rewards: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float):
-    """GAE over token rewards (the sequence reward on its last token, minus the KL penalty
-    per token when ``kl_in_reward``); returns (whitened advantages [B, T], returns [B, T])."""
+                   mask: torch.Tensor, kl: torch.Tensor | None, kl_coef: float,
+                   turn: torch.Tensor | None = None):
+    """GAE over token rewards (the sequence reward on its last token, a trajectory's
+    per-turn rewards ``turn`` [B, T] at the end of their turns, minus the KL penalty per
+    token when ``kl_in_reward``); returns (whitened advantages [B, T], returns [B, T])."""
     tok = A.shape_token_rewards(rewards, mask, kl=kl if algo.kl_in_reward else None,
-                                kl_coef=kl_coef)
+                                kl_coef=kl_coef, extra=turn)
     adv, ret = A.gae(tok, values, mask, gamma=algo.gamma, lam=algo.lam)
     return A.whiten(adv, mask), ret
 
@@ -218,7 +220,7 @@ class Scorer:
             assert k0 <= tol, f"check: KL to the reference at step 0 is {k0:.3g} > {tol}"
         values = None if old_v is None else cat_padded(old_v, full.mask.shape)
         adv, returns = self._advantages(rewards[idx].to(self.device), full.mask, values, kl,
-                                        kl_coef)
+                                        kl_coef, kept)
         tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in kept)
         return Scored(parts, [len(g) for g in mbs], old, ref, adv,
                       loss_mask(full.mask, kept, self.algo), kl_coef, self.T, values, returns,
@@ -242,12 +244,17 @@ class Scorer:
                     ref = [score(ref_model, p, self.T) for p in parts]
         return old, old_v, ref
 
-    def _advantages(self, rewards, mask, values, kl, kl_coef):
-        """(advantages [B, T], PPO's returns [B, T] or None)."""
+    def _advantages(self, rewards, mask, values, kl, kl_coef, kept):
+        """(advantages [B, T], PPO's returns [B, T] or None). PPO takes a trajectory's
+        per-turn environment rewards at the end of each turn (token-level rewards for GAE)
+        instead of in the sequence reward; the other estimators see their sum."""
         algo, n = self.algo, self.cfg.rollout.n
         if self.critic is not None:
-            return self.coll.on_global_batch(lambda r_, v_, m_, k_: ppo_advantages(
-                algo, r_, v_, m_, k_, kl_coef), rewards, values, mask, kl)
+            env = torch.tensor([s.env_reward for s in kept], device=rewards.device)
+            turn = A.turn_reward_tensor([s.turn_rewards for s in kept], mask.shape,
+                                        mask.device)
+            return self.coll.on_global_batch(lambda r_, v_, m_, k_, t_: ppo_advantages(
+                algo, r_, v_, m_, k_, kl_coef, t_), rewards - env, values, mask, kl, turn)
         if self._global_tensors():
             return self.coll.on_global_batch(lambda r_, m_, k_: compute_advantages(
                 algo, r_, n, m_, k_, kl_coef), rewards, mask, kl), None
@@ -256,7 +263,7 @@ class Scorer:
     def _global_tensors(self) -> int | None:
         """How many tensors the batch-wide advantages gather (None: they are per group)."""
         if self.critic is not None:
-            return 4
+            return 5
         return 3 if self.algo.name == "reinforce++" or self.algo.kl_in_reward else None
 
     def empty(self) -> Scored:

@@ -17,6 +17,7 @@ step's metrics; the step trains on the rest.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 
 from orbitrl.engine import Request, SamplingParams
@@ -42,6 +43,7 @@ class Trajectory:
     prefill: list = field(default_factory=list)  # tokens prefilled per resumed turn
     history: list = field(default_factory=list)  # tokens in context at each resume
     env_reward: float = 0.0
+    turn_rewards: list = field(default_factory=list)  # (index of the turn's end, reward)
     info: dict = field(default_factory=dict)
     wait_s: float = 0.0
     end: str = ""  # "" running; done | max_turns | length | env_error | env_timeout
@@ -74,7 +76,17 @@ class TurnFormat:
     def prompt(self, obs: str, encode) -> tuple[list[int], list]:
         messages = [{"role": "user", "content": obs}]
         if self.chat:
-            return self.ids(self.render(messages, True)), messages
+            text = self.render(messages, True)
+            if self.schemas and not getattr(self, "_checked", False):
+                self._checked = True
+                bare = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=False)
+                if bare == text:  # e.g. SmolLM2's template: the model never sees the tools
+                    warnings.warn("env.tools: the model's chat template ignores `tools`; the "
+                                  "prompt does not list them (describe them in the data's "
+                                  "prompts or use a template that renders tools)",
+                                  stacklevel=2)
+            return self.ids(text), messages
         return list(encode(obs)), messages
 
     def observation(self, traj: Trajectory, obs: str, so_far: str) -> list[int]:
@@ -277,6 +289,8 @@ class TurnLoop:
         except OrbitError as e:
             return self._fail(t, str(e), stats)
         t.env_reward += res.reward
+        if res.reward:  # the turn it answers ends at the last token so far (a model token)
+            t.turn_rewards.append((len(t.tokens) - 1, float(res.reward)))
         for k, v in res.info.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 t.info[k] = t.info.get(k, 0) + v
@@ -333,7 +347,8 @@ def trajectory_samples(trajs: list[Trajectory], n: int, version: int, first: int
                         env_wait_s=t.wait_s, log=t.log)
             out.append(Sample(first + g, t.info["prompt_ids"], t.tokens, t.logprobs, finish,
                               t.text, t.row, version, loss_mask=t.mask,
-                              env_reward=t.env_reward, info=info))
+                              env_reward=t.env_reward, turn_rewards=list(t.turn_rewards),
+                              info=info))
     return out
 
 
@@ -349,6 +364,7 @@ def trajectory_metrics(trajs: list[Trajectory], stats: dict) -> dict:
         "env_turns_mean": sum(t.turns for t in started if t) / max(1, len(started)),
         "env_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajs),
         "env_tool_errors": sum(t.info.get("tool_errors", 0) for t in trajs),
+        "env_tool_frac": sum(bool(t.info.get("tool_calls")) for t in trajs) / k,
         "env_answer_hits_frac": sum(bool(t.info.get("answer_hits")) for t in trajs) / k,
         "env_errors": stats["env_errors"], "env_timeouts": stats["env_timeouts"],
         "env_dropped": sum(t.end not in ("done", "max_turns", "length") for t in trajs),

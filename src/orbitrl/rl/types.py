@@ -28,6 +28,9 @@ class Sample:
     token_versions: list | None = None  # separate pools: the policy version of each token
     loss_mask: list | None = None  # trajectories: 1 per model token, 0 per environment token
     env_reward: float = 0.0  # trajectories: the environment's rewards over its turns
+    # trajectories: (completion index of the turn's last model token, that turn's reward)
+    # for each turn the environment rewarded (PPO places them there: token-level rewards)
+    turn_rewards: list | None = None
     info: dict = field(default_factory=dict)  # trajectories: turns, tool calls, waits
 
     @property

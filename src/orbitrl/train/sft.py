@@ -38,20 +38,32 @@ def encode_pairs(tokenizer, rows: list[dict], prompt_field="prompt", answer_fiel
 
 
 def sft_loss(model: Decoder, batch: list[tuple[list[int], list[int]]]) -> torch.Tensor:
-    """Mean next-token NLL over answer tokens of a packed batch."""
+    """Mean next-token NLL over answer tokens of a batch.
+
+    The batch is laid out as padded rows ([B, T_max], padding marked ``seq_ids == -1``),
+    not as one packed row: the attention mask of a packed row is dense over the whole
+    batch's tokens (quadratic in B), while padded rows cost B * T_max^2 (a forward and
+    backward at batch 32 of the tool task: 0.16 s against 0.27 s on one CPU thread).
+    """
     seqs = [p + a for p, a in batch]
-    ids, pos, sid = Decoder.packed_inputs(seqs, device=model.device)
-    logits = model(ids, positions=pos, seq_ids=sid)[0]  # [N, V]
-    targets, where = [], []
-    start = 0
-    for p, a in batch:
-        # position of the token that predicts answer token j is start+len(p)-1+j
-        where += range(start + len(p) - 1, start + len(p) - 1 + len(a))
+    width = max(len(s) for s in seqs)
+    dev = model.device
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)
+    sid = torch.full((len(seqs), width), -1, dtype=torch.long, device=dev)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, device=dev)
+        sid[i, :len(s)] = 0
+    pos = torch.arange(width, device=dev).expand(len(seqs), width)
+    logits = model(ids, positions=pos, seq_ids=sid)  # [B, T, V]
+    rows, cols, targets = [], [], []
+    for i, (p, a) in enumerate(batch):
+        # the token that predicts answer token j sits at len(p) - 1 + j
+        cols += range(len(p) - 1, len(p) - 1 + len(a))
+        rows += [i] * len(a)
         targets += a
-        start += len(p) + len(a)
-    idx = torch.tensor(where, device=ids.device)
-    tgt = torch.tensor(targets, device=ids.device)
-    return F.cross_entropy(logits[idx].float(), tgt)
+    r = torch.tensor(rows, device=dev)
+    c = torch.tensor(cols, device=dev)
+    return F.cross_entropy(logits[r, c].float(), torch.tensor(targets, device=dev))
 
 
 def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None, start: int = 0,

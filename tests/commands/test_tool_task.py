@@ -1,0 +1,68 @@
+"""The built-in tool task end to end on the built-in model: `orbitrl sft --task tool_arith`,
+`orbitrl train examples/tool_arith.yaml` (two steps: the tool metrics, the trajectory log,
+the report's tool plot) and `orbitrl eval --task tool_arith` (completion rate and tool use).
+A few warm-start steps do not teach the model the tool; only the path is checked here (the
+learning is measured in docs/envs.md)."""
+
+import json
+
+import pytest
+
+from orbitrl.cli import main
+from orbitrl.rl.evaluate import tool_summary
+
+EXAMPLE = "examples/tool_arith.yaml"
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tool_sft")
+    assert main(["sft", "--task", "tool_arith", "--steps", "3", "--batch-size", "8",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def test_train_logs_tool_use(warm, tmp_path):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / EXAMPLE
+    args = ["train", str(example), "--set", f"model.path={warm}", "--set", "train.max_steps=2",
+            "--set", "rollout.prompts_per_step=2", "--set", "rollout.n=2",
+            "--set", "data.heldout_size=4", "--set", "log.progress=false",
+            "--set", "checkpoint.every=0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        for k in ("env_tool_frac", "env_answer_hits_frac", "env_turns_mean", "env_tool_calls"):
+            assert k in r, k
+        assert 0.0 <= r["env_answer_hits_frac"] <= r["env_tool_frac"] <= 1.0
+    logged = [json.loads(x) for x in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert logged and all({"tool_calls", "answer_hits", "turns_text"} <= set(t) for t in logged)
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report" / "tools.png").exists()
+
+
+def test_eval_reports_tool_use(warm, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(warm), "--task", "tool_arith", "--limit", "6",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "task tool_arith" in text and "tools: called in" in text
+    data = json.loads(out.read_text())
+    assert data["n"] == 6 and len(data["rows"]) == 6
+    rows = data["rows"]
+    assert data["tool_use_rate"] == sum(r["tool_calls"] > 0 for r in rows) / 6
+    assert data["tool_solved_rate"] + data["solved_without_tool"] == pytest.approx(
+        data["accuracy"])
+
+
+def test_tool_summary_by_hand():
+    rows = [  # called right and solved; called wrong; answered without a tool (right, wrong)
+        {"score": 1.0, "turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_correct": True},
+        {"score": 0.0, "turns": 2, "tool_calls": 2, "tool_errors": 1, "tool_correct": False},
+        {"score": 1.0, "turns": 1, "tool_calls": 0, "tool_errors": 0, "tool_correct": False},
+        {"score": 0.0, "turns": 1, "tool_calls": 0, "tool_errors": 0, "tool_correct": False}]
+    s = tool_summary(rows)
+    assert s == {"tool_use_rate": 0.5, "tool_correct_rate": 0.25, "tool_solved_rate": 0.25,
+                 "solved_without_tool": 0.25, "tool_errors": 1, "turns_mean": 1.5}
+    assert tool_summary([{"score": 1.0}]) is None

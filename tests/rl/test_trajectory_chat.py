@@ -1,0 +1,169 @@
+"""Tool calls through a real chat template: a Qwen2-style template (tools listed in the
+system turn, ``<tool_call>{json}</tool_call>`` calls, ``tool`` messages rendered as
+``<tool_response>`` in a user turn) on a tokenizer built here. The model's tokens are
+scripted (the sampler is replaced), so the test checks the plumbing: the call is parsed
+and run, the tool message appended is the template's own rendering and is masked, and the
+whole trajectory is token for token what the template renders for the conversation."""
+
+import json
+
+import pytest
+import torch
+from hf_helpers import make_hf_model
+
+import orbitrl
+import orbitrl.engine.engine as engine_mod
+from orbitrl.config import Config
+from orbitrl.engine import Engine, SamplingParams
+from orbitrl.envs.tools import build_tools, tool_schemas
+from orbitrl.rewards.verifiers import exact_match
+from orbitrl.rl.trajectory import TurnLoop, trajectory_samples
+
+# Qwen2.5's template, cut to the branches the trajectory uses (no system message given,
+# assistant calls written as text, consecutive tool messages in one user turn).
+QWEN2_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\nYou are a helpful assistant.\\n\\n# Tools\\n"
+    "<tools>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a function as <tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def _tokenizer():
+    """Characters one token each, the Qwen2 control and tool tokens as added tokens
+    (``<tool_call>`` is not special in Qwen2: a turn decoded without special tokens keeps
+    it), eos ``<|im_end|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.decoder = decoders.Fuse()
+    tk.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
+                                  pad_token="<pad>")
+    tok.chat_template = QWEN2_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    tok = _tokenizer()
+    assert len(tok) <= 128
+    d = tmp_path_factory.mktemp("qwen2_chat")
+    make_hf_model("qwen2", vocab_size=128, max_position_embeddings=1024).save_pretrained(d)
+    return orbitrl.load_model(d), tok
+
+
+def _scripted_sampler(eng, script: list[int]):
+    """``engine.sample`` replaced: the one running sequence's next token is the script's
+    token at its length (logprob 0)."""
+    def sample(logits, params, keys, num_completion):
+        (seq,) = eng.scheduler.running
+        t = script[len(seq.token_ids)]
+        z = torch.zeros(1)
+        return torch.tensor([t]), z, z
+    return sample
+
+
+def test_qwen_style_tool_call_through_the_chat_template(chat_model, monkeypatch):
+    model, tok = chat_model
+    cfg = Config()
+    cfg.data.chat_template = True
+    e = cfg.env
+    e.name, e.tools, e.tool_call_format, e.tool_results = "tools", ["calculator"], "json", \
+        "template"
+    e.tool_call_start, e.tool_call_end = "<tool_call>", "</tool_call>"
+    e.max_turns, e.turn_max_tokens, e.max_output_chars = 4, 96, 64
+    schemas = tool_schemas(build_tools(["calculator"]))
+    eng = Engine(model, tok, kv_budget_bytes=8 << 20, block_size=16)
+    loop = TurnLoop(eng, tok, None, cfg, schemas)
+
+    call = '<tool_call>\n' + json.dumps({"name": "calculator",
+                                         "arguments": {"expression": "347*58"}}) \
+        + '\n</tool_call>'
+    convo = [{"role": "user", "content": "347*58="}, {"role": "assistant", "content": call},
+             {"role": "tool", "content": "20126"}, {"role": "assistant", "content": "20126"}]
+    full = tok.apply_chat_template(convo, tools=schemas, tokenize=False)
+    script = tok(full, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(engine_mod, "sample", _scripted_sampler(eng, script))
+
+    params = SamplingParams(n=1, max_tokens=96, temperature=1.0)
+    trajs, stats = loop.run([{"prompt": "347*58=", "answer": "20126"}], params, seed=0)
+    (t,) = trajs
+    assert t.end == "done" and t.turns == 2, (t.end, t.log)
+    assert t.info["tool_calls"] == 1 and t.info["answer_hits"] == 1
+    assert t.info.get("tool_errors", 0) == 0
+    # the prompt is the template's (tools listed), and prompt + trajectory is exactly the
+    # template's rendering of the whole conversation, up to the final turn's eos
+    prompt_ids = t.info["prompt_ids"]
+    assert tok.decode(prompt_ids) == tok.apply_chat_template(
+        convo[:1], tools=schemas, add_generation_prompt=True, tokenize=False)
+    assert "calculator" in tok.decode(prompt_ids)
+    assert prompt_ids + t.tokens == script[:len(prompt_ids) + len(t.tokens)]
+    assert len(prompt_ids) + len(t.tokens) == len(script) - 1  # all but the closing "\n"
+    # the environment's tokens: the template's tool message (closing the assistant turn,
+    # the user turn with the response, opening the next assistant turn), all masked
+    env = [tok_id for tok_id, m in zip(t.tokens, t.mask) if m == 0]
+    assert tok.decode(env) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n20126\n"
+                               "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    model_text = tok.decode([i for i, m in zip(t.tokens, t.mask) if m == 1])
+    assert model_text == call + "20126<|im_end|>"
+    first_env = t.mask.index(0)
+    assert all(t.mask[:first_env]) and not any(t.mask[first_env:first_env + len(env)])
+    assert all(t.mask[first_env + len(env):])
+    # the final turn is what the verifier scores
+    (s,) = trajectory_samples(trajs, 1, version=0)
+    assert s.text == "20126"
+    assert exact_match("347*58=", s.text, answer="20126") == 1.0
+    assert s.loss_mask == t.mask and len(s.completion_ids) == len(s.loss_mask)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_template_that_ignores_tools_is_warned_about(chat_model):
+    model, tok = chat_model
+    plain = _tokenizer()
+    plain.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + "
+                           "m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                           "{%- endif %}")
+    cfg = Config()
+    cfg.data.chat_template = True
+    cfg.env.name, cfg.env.tool_results = "tools", "template"
+    schemas = tool_schemas(build_tools(["calculator"]))
+    for t, warns in ((plain, True), (tok, False)):
+        loop = TurnLoop(Engine(model, t, kv_budget_bytes=1 << 20), t, None, cfg, schemas)
+        with pytest.warns(UserWarning, match="ignores `tools`") if warns else \
+                _no_warning():
+            loop.fmt.prompt("1+1=", None)
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self.ctx = warnings.catch_warnings()
+        self.ctx.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
