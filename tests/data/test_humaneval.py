@@ -88,7 +88,8 @@ def test_chat_mode_judges_the_answer_code_block():
     from orbitrl.evals.tasks import humaneval_task
 
     task = humaneval_task(limit=3, chat=True)
-    assert task.stop == ("\n```\n",) and "```python\nfrom typing import List" in task.rows[0]["prompt"]
+    assert task.stop[0] == "\n```\n" and "\nprint(" in task.stop
+    assert "```python\nfrom typing import List" in task.rows[0]["prompt"]
     right = ("Here it is:\n```python\nfrom typing import List\n\n"
              "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
              "    return any(abs(a - b) < threshold for i, a in enumerate(numbers)\n"

@@ -67,18 +67,23 @@ def run(args) -> int | None:
         from orbitrl.model.adapters import load_adapters
 
         load_adapters(model, args.adapter)
-    res = evaluate(task, model, tok, opts)
-    res["model"] = str(path) + (f" + adapter {args.adapter}" if args.adapter else "")
+    name = str(path) + (f" + adapter {args.adapter}" if args.adapter else "")
+
+    def write(res: dict) -> None:  # after every chunk: a stopped run keeps what it finished
+        if args.out:
+            Path(args.out).write_text(json.dumps({"model": name, **res}, indent=1))
+
+    res = evaluate(task, model, tok, opts, on_chunk=write)
     print(summary_line(res))
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.out}")
     return 0
 
 
 def summary_line(res: dict) -> str:
     """One line: greedy pass@1, sampled pass@k, problems that cannot be judged."""
-    parts = [f"{res['task']}: {res['problems']} problems"]
+    done, total = res["problems_done"], res["problems"]
+    parts = [f"{res['task']}: {done} problems" + (f" of {total}" if done < total else "")]
     if "greedy" in res:
         parts.append(f"pass@1 (greedy) {res['greedy']['pass@1']:.4f}")
     if "sampled" in res:

@@ -33,6 +33,10 @@ class Task:
     errors: dict[str, str] = field(default_factory=dict)
 
 
+# chat: the answer's code block ends at its closing fence (prose after it is not code), or
+# where a top-level statement after the function starts (the model's own usage example or
+# asserts, which the original evaluation cuts too). Not "\ndef ": the block opens with one.
+CHAT_STOP = ("\n```\n", "\nif __name__", "\nprint(", "\nassert ")
 INSTRUCT = ("Complete the following Python function. Reply with the whole function in one "
             "```python code block.\n\n```python\n{prompt}```")
 
@@ -81,8 +85,7 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0, chat: bool = False) -> Task
             progress(len(verdicts))
         return out  # type: ignore[return-value]
 
-    # (chat: the answer ends at its closing fence; prose after it is not code)
-    return Task("humaneval", rows, ("\n```\n",) if chat else STOP, score, 384, errors)
+    return Task("humaneval", rows, CHAT_STOP if chat else STOP, score, 384, errors)
 
 
 def gsm8k_task(path: str | Path | None = None, limit: int = 0) -> Task:

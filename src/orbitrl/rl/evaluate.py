@@ -1,13 +1,18 @@
-"""Held-out accuracy with greedy decoding through the rollout engine (the path the RL loop
-samples with). One path for every caller: the trainer (before and after training), the
-``orbitrl eval`` command and scripts all go through :class:`Evaluator`, which encodes
-prompts as training encodes them (``data.chat_template``) and scores completions through
-the reward runner (a failing verifier is an error scored 0, as in training)."""
+"""Evaluation through the rollout engine (the path the RL loop samples with). One path for
+every caller: the trainer (before and after training), ``orbitrl eval`` (``--run``, a data
+file, ``--task humaneval | gsm8k``) and scripts all go through :class:`Evaluator`, the one
+place that encodes evaluation prompts (as training does: ``data.chat_template``) and
+generates from them: batched, n samples per prompt sharing the prompt's KV blocks, with a
+progress bar. Greedy accuracy is scored through the reward runner (a failing verifier is an
+error scored 0, as in training); the suite's tasks judge the completions themselves."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from typing import Callable
+
+from orbitrl.errors import OrbitError
 
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
     """Dataset fields handed to a reward: all but the prompt, with the answer under
@@ -20,25 +25,82 @@ def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
 
 
 class Evaluator:
-    """Greedy held-out accuracy through the run's own engine and prompt encoding (what the
-    RL loop samples with), each rank scoring its share of the rows.
+    """Prompt encoding and generation for every evaluation, through the run's own engine
+    (what the RL loop samples with); greedy accuracy with each rank scoring its share.
 
     Args:
-        engine: the rollout engine; ``encode``: prompt text -> ids as training encodes it.
-        data: the ``data`` config section (prompt and answer fields).
+        engine: the rollout engine, or a function (longest sequence in tokens) -> engine
+            called at the first generation (a KV pool sized for the prompts encoded so far).
+        encode: prompt text -> ids as training encodes it.
+        data: the ``data`` config section (prompt and answer fields; ``run`` only).
         max_tokens: completion length cap; timeout_s: a named reward's time limit.
         weights: a context manager for the weights generation runs on (sharded runs).
         coll: the Collective (rows split over ranks, the sum reduced; one process: None).
+        context: the model's context in tokens; when given, a prompt longer than the context
+            minus ``max_tokens`` is cut from the left and counted in ``truncated``.
     """
 
     def __init__(self, engine, encode: Callable, data, max_tokens: int, timeout_s=None,
-                 weights=nullcontext, coll=None, trajectories=None):
+                 weights=nullcontext, coll=None, context: int | None = None,
+                 trajectories=None):
         from orbitrl.distributed.collective import Collective
 
-        self.engine, self.encode, self.data = engine, encode, data
+        self._engine, self.encode, self.data = engine, encode, data
         self.trajectories = trajectories  # multi-turn: Rollouts.trajectories
         self.max_tokens, self.timeout_s, self.weights = max_tokens, timeout_s, weights
         self.coll = coll or Collective()
+        self.context, self.truncated, self._longest = context, 0, 0
+
+    @property
+    def engine(self):
+        if callable(self._engine) and not hasattr(self._engine, "generate"):
+            self._engine = self._engine(self._longest + self.max_tokens + 16)
+        return self._engine
+
+    def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt (``encode``), cut from the left to leave ``max_tokens``
+        of the context when ``context`` is set (cut prompts are printed and counted)."""
+        prompts = [self.encode(t) for t in texts]
+        if self.context is not None:
+            room = self.context - self.max_tokens
+            if room < 1:
+                raise OrbitError(f"--max-tokens {self.max_tokens}: the model's context is "
+                                 f"{self.context} tokens, leaving no room for a prompt")
+            cut = sum(len(p) > room for p in prompts)
+            if cut:
+                print(f"{cut} of {len(prompts)} prompts cut from the left to {room} tokens "
+                      f"(context {self.context}, {self.max_tokens} for the completion)",
+                      file=sys.stderr)
+            self.truncated += cut
+            prompts = [p[-room:] for p in prompts]
+        self._longest = max([self._longest] + [len(p) for p in prompts])
+        return prompts
+
+    def complete(self, prompts: list[list[int]], params: list, progress: bool = False,
+                 label: str = "") -> list[list[str]]:
+        """Completion texts per prompt (``params[i].n`` each) in one engine batch: the n
+        samples of a prompt, and requests with the same prompt, share its KV blocks.
+
+        Args:
+            prompts: token ids (``encode_prompts``); params: one SamplingParams each.
+            progress: print ``label`` and show a bar over samples (rate and ETA).
+        Raises:
+            OrbitError: a request the engine rejected (naming the prompt's index).
+        """
+        from orbitrl.engine import Request
+
+        if progress:
+            print(f"{label}: {len(prompts)} requests, {sum(p.n for p in params)} samples",
+                  file=sys.stderr, flush=True)
+        with self.weights():
+            outs = self.engine.generate([Request(prompt_ids=p) for p in prompts], params,
+                                        progress=progress)
+        texts = []
+        for o in outs:
+            if o.error is not None:
+                raise OrbitError(f"prompt {o.index}: rejected by the engine: {o.error}")
+            texts.append([s.text or "" for s in o.samples])
+        return texts
 
     def accuracy(self, rows: list[dict], reward, version: int = 0) -> float:
         """Mean reward of greedy completions over ``rows`` (every rank's)."""
@@ -49,38 +111,41 @@ class Evaluator:
 
         Args:
             reward: a RewardRunner, a registered reward's name or a reward callable.
-            version: the policy version recorded on the samples.
+            version: the policy version (kept for callers; greedy decoding ignores it).
         """
         from orbitrl.engine import SamplingParams
-        from orbitrl.rl.rollout import generate
 
         d = self.data
         total = len(rows)
         a, b = self.coll.share(total)  # each rank scores its share, the sum is reduced
         rows = rows[a:b]
-        prompts = [] if self.trajectories else [self.encode(r[d.prompt_field]) for r in rows]
-        params = SamplingParams(n=1, max_tokens=self.max_tokens, temperature=0.0)
-        with self.weights():
-            if self.trajectories is not None:  # the final turn's text is the answer
-                got = {s.group - a: s for s in self.trajectories(rows, params, version, 0, a)[0]}
-                samples = [got.get(i) or _Dropped() for i in range(len(rows))]
-            else:
-                samples = generate(self.engine, prompts, rows, params, version, 0, first=a)
-        res = self._runner(reward)([r[d.prompt_field] for r in rows], [s.text for s in samples],
+        greedy = SamplingParams(n=1, max_tokens=self.max_tokens, temperature=0.0)
+        samples = None
+        if self.trajectories is not None:  # the final turn's text is the answer
+            with self.weights():
+                got = {s.group - a: s
+                       for s in self.trajectories(rows, greedy, version, 0, a)[0]}
+            samples = [got.get(i) or _Dropped() for i in range(len(rows))]
+            texts = [s.text for s in samples]
+        else:
+            prompts = self.encode_prompts([r[d.prompt_field] for r in rows])
+            texts = [t[0] for t in self.complete(prompts, [greedy] * len(prompts))]
+        res = self._runner(reward)([r[d.prompt_field] for r in rows], texts,
                                    [reward_fields(r, d.prompt_field, d.answer_field)
                                     for r in rows])
         failed = {e.index: e.reason for e in res.errors}
-        for i, s in enumerate(samples):
+        for i, s in enumerate(samples or []):
             if isinstance(s, _Dropped):
                 failed.setdefault(i, "trajectory dropped (environment error or time limit)")
-        records = [{"prompt": r[d.prompt_field], "completion": s.text, "answer":
+        infos = [s.info for s in samples] if samples else [{}] * len(rows)
+        records = [{"prompt": r[d.prompt_field], "completion": t, "answer":
                     r.get(d.answer_field), "score": x,
-                    **({"turns": s.info["turns"], "tool_calls": s.info.get("tool_calls", 0),
-                        "tool_errors": s.info.get("tool_errors", 0),
-                        "tool_correct": s.info.get("answer_hits", 0) > 0,
-                        "trajectory": _transcript(s)} if s.info.get("turns") else {}),
+                    **({"turns": info["turns"], "tool_calls": info.get("tool_calls", 0),
+                        "tool_errors": info.get("tool_errors", 0),
+                        "tool_correct": info.get("answer_hits", 0) > 0,
+                        "trajectory": _transcript(samples[i])} if info.get("turns") else {}),
                     **({"error": failed[i]} if i in failed else {})}
-                   for i, (r, s, x) in enumerate(zip(rows, samples, res.rewards))]
+                   for i, (r, t, x, info) in enumerate(zip(rows, texts, res.rewards, infos))]
         return float(self.coll.all_sum(float(sum(res.rewards))) / max(1, total)), records
 
     def _runner(self, reward):
