@@ -122,7 +122,8 @@ class RLTrainer:
                                self.snapshot, self.critic, self.critic_opt, self.coll)
         self.evaluator = Evaluator(self.engine, self.encode, cfg.data, cfg.rollout.max_tokens,
                                    cfg.reward.timeout_s, self.rollouts.weights, self.coll,
-                                   self.rollouts.trajectories if cfg.env.name else None)
+                                   trajectories=self.rollouts.trajectories if cfg.env.name
+                                   else None)
         two_pass = is_fused(self.opt) and getattr(self.opt, "two_pass", False)
         self.flops = StepFlops(self.model.config, cfg.train.mode == "adapter",
                                cfg.algo.epochs * (2 if two_pass else 1))
