@@ -107,7 +107,7 @@ def check_idle_beats(rank, ch, group):
         time.sleep(4.0)  # a long evaluation, say
         idle.close()
         idle.send_header(1, FINISH)
-        time.sleep(3.0)  # hung: alive and silent on ``silent``
+        time.sleep(15.0)  # hung: alive and silent on ``silent``, far past its 1 s timeout
         return
     idle.listen(0)
     t0 = time.monotonic()
@@ -118,7 +118,7 @@ def check_idle_beats(rank, ch, group):
     try:
         silent.wait()
     except RuntimeError as e:
-        assert time.monotonic() - t0 < 2.5, time.monotonic() - t0
+        assert time.monotonic() - t0 < 12.0, time.monotonic() - t0  # before the leader exits
         assert "timeout" in str(e).lower() or "timed out" in str(e).lower(), e
     else:
         raise AssertionError("a silent leader was not noticed")
