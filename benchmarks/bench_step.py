@@ -22,6 +22,10 @@ reference; the old policy too where the update cannot supply its logprobs),
 and one forward + backward of the loss-free sum of the completion logprobs. "step / floor"
 says how many times the math the step costs; "overhead" is the step minus the floor.
 
+Page faults and system time per step are printed too: on the host, the memory probe's heap
+trims (``log.memory_every``; ``--set log.memory_every=1`` probes every step) hand pages back
+that the next phase faults in again, one fault per 4 KiB.
+
 Timings on shared cores are noisy: compare phases within one run, and prefer medians. The
 step's process CPU time (every thread of the process) is printed beside its wall time: on
 cores other processes share, wall time grows with their load and CPU time much less.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -78,15 +83,19 @@ def time_steps(trainer, warmup: int, steps: int) -> tuple[list[dict], list]:
         for i in range(warmup + steps):
             _sync(trainer.device)
             t0, c0 = time.perf_counter(), time.process_time()
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             row = trainer.step()
             writer.write(row)
             _sync(trainer.device)
             total, cpu = time.perf_counter() - t0, time.process_time() - c0
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
             if i >= warmup:
                 ms = {p: 1000 * row.get(f"time_{p}_s", 0.0) for p in PHASES}
                 ms["step"] = 1000 * total
                 ms["other"] = ms["step"] - sum(ms[p] for p in PHASES)
                 ms["cpu"] = 1000 * cpu
+                ms["sys"] = 1000 * (r1.ru_stime - r0.ru_stime)
+                ms["faults"] = r1.ru_minflt - r0.ru_minflt
                 rows.append(ms)
         writer.close()
     trainer.rollouts = rollouts
@@ -156,6 +165,11 @@ def report(device: str, rows: list[dict], fl: dict, threads: int) -> str:
     cpu = [r["cpu"] for r in rows]
     lines.append(f"| step, process CPU time | {statistics.fmean(cpu):.1f} | "
                  f"{statistics.median(cpu):.1f} | |")
+    lines.append(f"| of it, system time | {statistics.fmean(r['sys'] for r in rows):.1f} | "
+                 f"{statistics.median(r['sys'] for r in rows):.1f} | |")
+    lines.append(f"| page faults per step (count) | "
+                 f"{statistics.fmean(r['faults'] for r in rows):.0f} | "
+                 f"{statistics.median(r['faults'] for r in rows):.0f} | |")
     med = statistics.median(r["step"] for r in rows)
     lines += ["", "| floor (same batch, same model) | median ms |", "|---|---:|",
               f"| generate: one no-grad forward of the rollout's tokens | {fl['generate']:.1f} |",

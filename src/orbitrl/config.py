@@ -82,6 +82,7 @@ class TrainSection:
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
+    workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py); 0 = auto: the cores (at most 2) on a CPU with threads 1, one process, AdamW and no critic; 1 = one after another
     seed: int = 0
     deterministic: bool = False
 
@@ -94,6 +95,7 @@ class TrainSection:
                              f"{opt} (grouped relies on AdaLomo's per-tensor update "
                              f"normalization), got grouped")
         _require(self, "train", ("tiers",), lambda v: v >= 0, ">= 0")
+        _require(self, "train", ("workers",), lambda v: v >= 0, ">= 0 (0 = auto)")
         if self.tiers and self.mode != "full":
             raise OrbitError("config key 'train.tiers' needs train.mode full (adapters train "
                              "with AdamW, whose gradients outlive a layer's visit)")
@@ -255,11 +257,13 @@ class LogSection:
     progress: bool = True
     align_every: int = 0  # check-alignment (engine vs trainer distributions) every N steps, logged as align_*; 0 = off; one process only
     align_prompts: int = 4  # the step's first N prompts are the check's prompt set
+    memory_every: int = 10  # per-phase memory peaks (mem_<phase>_measured_bytes) on steps 0, 1 and every N-th; on the host each probe trims the heap, whose pages the next phase faults back in, so the steps between probes skip it (1 = every step)
 
     def __post_init__(self):
         _require(self, "log", ("every",), lambda v: v >= 1, ">= 1")
         _require(self, "log", ("align_every",), lambda v: v >= 0, ">= 0 (0 = off)")
         _require(self, "log", ("align_prompts",), lambda v: v >= 1, ">= 1")
+        _require(self, "log", ("memory_every",), lambda v: v >= 1, ">= 1")
 
 
 @dataclass

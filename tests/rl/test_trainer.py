@@ -114,35 +114,44 @@ def test_kl_in_reward_uses_the_configured_estimator(monkeypatch):
     torch.testing.assert_close(k2, 0.5 * k1 * k1)
 
 
-@pytest.mark.parametrize("stop_at", ["rollout", "train"])
-def test_stop_request_abandons_the_step_in_flight_and_changes_nothing(stop_at):
+@pytest.mark.parametrize("stop_at,workers", [("rollout", 1), ("train", 1), ("train", 2)])
+def test_stop_request_abandons_the_step_in_flight_and_changes_nothing(stop_at, workers):
     """SIGTERM's path (run.py sets ``should_stop``): the step in flight is abandoned at the
     next decode step or micro-batch with nothing applied, the data position goes back, and
-    the step then runs as if it had never started (deterministic: same row)."""
+    the step then runs as if it had never started (deterministic: same row). With two
+    workers the micro-batches run side by side: the poll is before them."""
     from orbitrl.rl.trainer import StepAbandoned
 
-    ref = make("reward.name=test_length", "train.deterministic=true",
-               "train.micro_batch_tokens=16")
+    over = ("reward.name=test_length", "train.deterministic=true",
+            "train.micro_batch_tokens=16", f"train.workers={workers}")
+    ref = make(*over)
     want = ref.step()
-    tr = make("reward.name=test_length", "train.deterministic=true",
-              "train.micro_batch_tokens=16")
+    tr = make(*over)
     before, pos = adapters(tr), tr.data.pos
-    polls = {False: 0, True: 0}  # by model.training: decode steps / micro-batches
+    polls = {False: 0, True: 0}  # decode steps / micro-batches
+    in_update = [False]
+    update = tr.updater
+
+    def updater(*a, **k):
+        in_update[0] = True
+        return update(*a, **k)
+
+    # the second micro-batch (the first one's gradient is already accumulated: it must be
+    # dropped), or before the side-by-side micro-batches
+    at = {"rollout": 3, "train": 2 if workers == 1 else 1}[stop_at]
 
     def stop():
-        polls[tr.model.training] += 1
-        # the third decode step, or the second micro-batch (the first one's gradient is
-        # already accumulated: it must be dropped)
-        return polls[False] == 3 if stop_at == "rollout" else polls[True] == 2
+        polls[in_update[0]] += 1
+        return polls[stop_at == "train"] == at
 
-    tr.should_stop = stop
+    tr.updater, tr.should_stop = updater, stop
     with pytest.raises(StepAbandoned):
         tr.step()
-    assert polls[stop_at == "train"] == (2 if stop_at == "train" else 3)
+    assert polls[stop_at == "train"] == at
     assert tr.data.pos == pos and tr.iteration == 0 and tr.step_idx == 0
     assert all(torch.equal(a, b) for a, b in zip(before, adapters(tr)))
     assert all(p.grad is None for p in tr.policy.trainable)
-    tr.should_stop = lambda: False
+    tr.should_stop, in_update[0] = (lambda: False), False
     got = tr.step()
     assert got["reward_mean"] == want["reward_mean"] and got["loss"] == want["loss"]
     assert all(torch.equal(a, b) for a, b in zip(adapters(ref), adapters(tr)))

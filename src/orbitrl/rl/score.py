@@ -24,6 +24,7 @@ from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.losses import kl_estimate
 from orbitrl.rl.routing import attach_routing, replay_check
+from orbitrl.rl.parallel import Workers, split_parts
 from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused
 
@@ -141,12 +142,16 @@ class Scorer:
         opt: the policy's optimizer (whether the update's own forward can give the old
             logprobs depends on it).
         coll: the Collective.
+        workers: ``rl/parallel.py`` Workers: the micro-batches' scoring passes side by
+            side (the batch is cut into at least that many micro-batches).
     """
 
-    def __init__(self, cfg, model, device, runner, anchors, kl_ctl, critic, opt, coll):
+    def __init__(self, cfg, model, device, runner, anchors, kl_ctl, critic, opt, coll,
+                 workers=None):
         self.cfg, self.algo, self.model, self.device = cfg, cfg.algo, model, device
         self.runner, self.anchors, self.kl_ctl = runner, anchors, kl_ctl
         self.critic, self.opt, self.coll = critic, opt, coll
+        self.workers = workers or Workers(1)
         t = cfg.rollout.temperature
         self.T = t if t > 0 else 1.0
 
@@ -195,7 +200,8 @@ class Scorer:
             self.coll.join_scoring(self.model, self._global_tensors(), self.device)
             return None
         kept = [samples[i] for i in idx]
-        mbs = micro_batches(kept, self.cfg.train.micro_batch_tokens)
+        mbs = split_parts(micro_batches(kept, self.cfg.train.micro_batch_tokens), kept,
+                          self.workers.n)
         # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
         # when there are several (with one, it is that micro-batch's)
         parts = [pack([kept[j] for j in g], self.device) for g in mbs]
@@ -237,11 +243,11 @@ class Scorer:
             elif reuse:  # the update's own forward gives them (actor_loss)
                 old = [None] * len(parts)
             else:
-                old = [score(self.model, p, self.T) for p in parts]
+                old = self.workers.map(lambda p: score(self.model, p, self.T), parts)
             ref = [None] * len(parts)
-            if need_ref:
+            if need_ref:  # (the anchor is set up once, here, for every worker's pass)
                 with self.anchors.anchored() as ref_model:
-                    ref = [score(ref_model, p, self.T) for p in parts]
+                    ref = self.workers.map(lambda p: score(ref_model, p, self.T), parts)
         return old, old_v, ref
 
     def _advantages(self, rewards, mask, values, kl, kl_coef, kept):

@@ -22,6 +22,7 @@ from orbitrl.engine.governor import KVGovernor, hand_back
 from orbitrl.errors import OrbitError
 from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.observe.memory import MemoryProbe, run_prediction
+from orbitrl.observe.metrics import PhaseTimer
 from orbitrl.observe.step import StepFlops, phase_metrics, sample_metrics
 from orbitrl.rewards import RewardRunner
 from orbitrl.rl.anchors import Anchors
@@ -30,6 +31,7 @@ from orbitrl.rl.evaluate import Evaluator
 from orbitrl.rl.guards import GradNormGuard, Snapshot
 from orbitrl.rl.losses import make_kl_controller
 from orbitrl.rl.policy import build_policy, pick_device
+from orbitrl.rl.parallel import Workers, resolve_workers
 from orbitrl.rl.rollout import Rollouts, build_engine
 from orbitrl.rl.score import Scorer, reward_sources
 from orbitrl.rl.types import Rollout, StepAbandoned, StepScore, Update
@@ -116,10 +118,13 @@ class RLTrainer:
         cfg = self.cfg
         self.rollouts = Rollouts(cfg, self.engine, self.governor, self.model, self.encode,
                                  self.data, self.coll)
+        self.workers = Workers(resolve_workers(cfg, self.device, self.coll.enabled,
+                                               is_fused(self.opt), self.critic is not None))
         self.scorer = Scorer(cfg, self.model, self.device, self.rewards, self.anchors,
-                             self.kl_ctl, self.critic, self.opt, self.coll)
+                             self.kl_ctl, self.critic, self.opt, self.coll, self.workers)
         self.updater = Updater(cfg, self.model, self.policy.trainable, self.opt, self.guard,
-                               self.snapshot, self.critic, self.critic_opt, self.coll)
+                               self.snapshot, self.critic, self.critic_opt, self.coll,
+                               self.workers)
         self.evaluator = Evaluator(self.engine, self.encode, cfg.data, cfg.rollout.max_tokens,
                                    cfg.reward.timeout_s, self.rollouts.weights, self.coll,
                                    trajectories=self.rollouts.trajectories if cfg.env.name
@@ -190,7 +195,11 @@ class RLTrainer:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> dict:
         """One RL step: rollout, score, update; the metrics row."""
-        t_step, timer = time.perf_counter(), self.mem.timer()  # (timer: phase peaks too)
+        t_step = time.perf_counter()
+        # phase peaks on probe steps only: a host probe trims the heap before each phase
+        every = self.cfg.log.memory_every
+        self._probed = self.iteration < 2 or self.iteration % every == 0
+        timer = self.mem.timer() if self._probed else PhaseTimer(self.device)
         position = None if self.cfg.rollout.overlap or self.pool else self.data.position()
         try:
             ro, waited, t_step = self.rollout(timer, t_step)
@@ -258,6 +267,7 @@ class RLTrainer:
         if self.pool is not None:
             self.pool.stop()
             self.pool = None
+        self.workers.close()
 
     # ---- the row -------------------------------------------------------------------
     def _alignment(self, samples) -> dict:
@@ -311,7 +321,7 @@ class RLTrainer:
         if sc.batch is not None:
             row.update(sc.batch.metrics)
         row.update(upd.metrics)
-        if back and sc.anything:
+        if back and sc.anything and (self._probed or self.device.type == "cuda"):
             row["memory_handed_back_bytes"] += hand_back(self.device)
         seconds = {**ro.seconds, **timer.seconds}
         row["policy_version"] = self.step_idx

@@ -19,6 +19,7 @@ from orbitrl.config import AlgoSection
 from orbitrl.rl.batch import PackedBatch, score
 from orbitrl.model.moe import replay_routing, router_losses
 from orbitrl.rl.guards import layer_grad_norms
+from orbitrl.rl.parallel import Workers, accumulate
 from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from orbitrl.rl.types import Scored, StepAbandoned, Update
 from orbitrl.train.optim import is_fused
@@ -97,11 +98,19 @@ class Updater:
         coll: the Collective.
     """
 
-    def __init__(self, cfg, model, trainable, opt, guard, snapshot, critic, critic_opt, coll):
+    def __init__(self, cfg, model, trainable, opt, guard, snapshot, critic, critic_opt, coll,
+                 workers=None):
         self.cfg, self.algo, self.model, self.trainable = cfg, cfg.algo, model, trainable
         self.opt, self.guard, self.snapshot = opt, guard, snapshot
         self.critic, self.critic_opt, self.coll = critic, critic_opt, coll
         self.fused = is_fused(opt)
+        # several workers: the micro-batches' forward + backward side by side, each with
+        # its own gradients, summed in micro-batch order (rl/parallel.py)
+        self.workers = workers or Workers(1)
+        # train/eval switches only change dropout here; with none active they are skipped
+        # (each walks every module: about 1 ms a step on the built-in model)
+        self.mode_matters = any(isinstance(m, torch.nn.Dropout) and m.p > 0
+                                for m in model.modules())
         # the fused optimizer's cumulative counters as of the last step (each step's share
         # is the difference)
         self.fused_applied = self.fused_held = 0
@@ -124,7 +133,8 @@ class Updater:
     def __call__(self, scored: Scored, version: int, stop) -> Update:
         """Train on ``scored`` with policy ``version``; ``stop`` is polled between
         micro-batches while nothing is applied yet (True: StepAbandoned)."""
-        self.model.train()
+        if self.mode_matters:
+            self.model.train()
         lr = lr_at(self.cfg.train, version)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -136,6 +146,11 @@ class Updater:
         # every rank runs the same number of micro-batches (each is a collective)
         n_mb = self.coll.micro_batches(len(scored.parts))
         for epoch in range(self.algo.epochs):
+            if self.workers.n > 1:
+                if stop():
+                    raise StepAbandoned()
+                self._side_by_side(scored, epoch, version, denom, by_mb)
+                continue
             for k in range(n_mb):
                 if k >= len(scored.parts):
                     self._idle_micro_batch()
@@ -146,13 +161,13 @@ class Updater:
                         and stop():
                     raise StepAbandoned()
                 self._micro_batch(scored, k, epoch, version, denom, by_mb)
-        self.model.eval()
+        if self.mode_matters:
+            self.model.eval()
         out = {"lr": lr, **self._apply(list(by_mb.values()))}
         return Update(applied=out["step_skipped"] == 0, metrics=out)
 
-    def _micro_batch(self, scored: Scored, k: int, epoch: int, version: int, denom: float,
-                     by_mb: dict):
-        """Forward + backward of micro-batch ``k`` (the fused optimizer steps inside)."""
+    def _loss(self, scored: Scored, k: int, epoch: int, version: int, denom: float):
+        """(loss, metrics) of micro-batch ``k``."""
         algo = self.algo
         p = scored.parts[k]
         a = sum(scored.sizes[:k])
@@ -162,17 +177,38 @@ class Updater:
         if self.critic is not None:
             crit = dict(critic=self.critic, old_values=scored.values[a:b, :T_k],
                         returns=scored.returns[a:b, :T_k])
+        loss, m = actor_loss(self.model, p, scored.old[k], scored.ref[k],
+                             scored.adv[a:b, :T_k], algo, scored.kl_coef,
+                             scored.temperature, denom, self.cfg.rollout.max_tokens,
+                             mask=scored.mask[a:b, :T_k], **crit)
+        if algo.check and version == 0 and epoch == 0 and k == 0:
+            assert abs(m["ratio_mean"] - 1) < 1e-5, \
+                f"check: policy ratio at step 0 is {m['ratio_mean']}"
+        return loss, m
 
+    def _side_by_side(self, scored: Scored, epoch: int, version: int, denom: float,
+                      by_mb: dict):
+        """Every micro-batch's forward + backward on the workers (AdamW, no critic: the
+        weights stay put until ``_apply``); gradients summed in micro-batch order."""
+        params = [q for q in self.model.parameters() if q.requires_grad]
+
+        def one(k):
+            loss, m = self._loss(scored, k, epoch, version, denom)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            return grads, m | {"loss": float(loss.detach())}
+
+        done = self.workers.map(one, range(len(scored.parts)))
+        accumulate(params, [g for g, _ in done])
+        for k, (_, m) in enumerate(done):
+            by_mb[(epoch, k)] = m
+
+    def _micro_batch(self, scored: Scored, k: int, epoch: int, version: int, denom: float,
+                     by_mb: dict):
+        """Forward + backward of micro-batch ``k`` (the fused optimizer steps inside)."""
         def closure():
             if self.critic is not None:  # a fused two-pass step runs this twice
                 self.critic_opt.zero_grad(set_to_none=True)
-            loss, m = actor_loss(self.model, p, scored.old[k], scored.ref[k],
-                                 scored.adv[a:b, :T_k], algo, scored.kl_coef,
-                                 scored.temperature, denom, self.cfg.rollout.max_tokens,
-                                 mask=scored.mask[a:b, :T_k], **crit)
-            if algo.check and version == 0 and epoch == 0 and k == 0:
-                assert abs(m["ratio_mean"] - 1) < 1e-5, \
-                    f"check: policy ratio at step 0 is {m['ratio_mean']}"
+            loss, m = self._loss(scored, k, epoch, version, denom)
             loss.backward()
             by_mb[(epoch, k)] = m | {"loss": float(loss.detach())}
             return loss
@@ -263,7 +299,12 @@ def build_optimizer(t, params, veto):
     if name == "auto":
         name = "adamw" if t.mode == "adapter" else "adalomo"
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        # the fused kernel (one pass over all tensors; 0.45 ms instead of 2.5 ms for the
+        # built-in model's 56 adapter tensors on a CPU core), within an ulp of the loop
+        try:
+            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
+        except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     from orbitrl.train.optim import build_optimizer as build_fused
 
     opt = build_fused(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,

@@ -1,0 +1,120 @@
+"""Micro-batches on several CPU cores at once: one Python thread per core, one intra-op
+thread each (``train.workers``).
+
+A small model's scoring and training forwards are bound by their kernels, not by Python
+(the GEMMs over a packed [rows, tokens] batch), and torch releases the GIL inside every
+kernel; so two micro-batches on two threads take about the time of one, where two intra-op
+threads on one GEMM of that size mostly wait on each other (and on a shared machine, on a
+busy core). The engine's decode steps stay on one thread: they are Python-bound.
+
+Results come back in item order, and the update sums its micro-batches' gradients in that
+order on the calling thread (``Workers.grads``), so a run is bit-for-bit the one that runs
+the same micro-batches one after another.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+
+def resolve_workers(cfg, device: torch.device, distributed: bool, fused: bool,
+                    critic: bool) -> int:
+    """``train.workers`` (0 = auto): 1 where the micro-batches cannot run side by side (a
+    device (one stream), several processes (their collectives run in lockstep), a fused
+    optimizer that updates the weights during backward, PPO's critic stepping between
+    micro-batches, intra-op threads already using the cores); else the cores, at most 2."""
+    w = cfg.train.workers
+    serial = (device.type != "cpu" or distributed or fused or critic
+              or cfg.train.threads != 1)
+    if w == 0:
+        return 1 if serial else max(1, min(2, len(os.sched_getaffinity(0))))
+    return 1 if serial else w
+
+
+class Workers:
+    """Runs ``fn`` over items on ``n`` threads (the caller's among them)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        threads = torch.get_num_threads()  # intra-op threads, as the caller's
+        self.pool = ThreadPoolExecutor(n - 1, thread_name_prefix="orbitrl-mb",
+                                       initializer=torch.set_num_threads,
+                                       initargs=(threads,)) if n > 1 else None
+
+    def map(self, fn: Callable, items: Sequence) -> list:
+        """[fn(item) for item in items], up to ``n`` at a time; the first error is raised
+        once every running item is done. ``fn`` runs with gradients enabled on the pool's
+        threads (grad mode is per thread): wrap it in ``torch.no_grad()`` where needed."""
+        if self.pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        grad = torch.is_grad_enabled()
+
+        def call(x):
+            with torch.set_grad_enabled(grad):
+                return fn(x)
+
+        out: list = [None] * len(items)
+        for start in range(0, len(items), self.n):
+            chunk = list(range(start, min(start + self.n, len(items))))
+            futs = [(i, self.pool.submit(call, items[i])) for i in chunk[1:]]
+            err = None
+            try:
+                out[chunk[0]] = call(items[chunk[0]])
+            except BaseException as e:  # noqa: BLE001 - the others finish first
+                err = e
+            for i, f in futs:
+                try:
+                    out[i] = f.result()
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
+            if err is not None:
+                raise err
+        return out
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+def accumulate(params: Sequence[torch.Tensor], grads: Sequence[Sequence]) -> None:
+    """Add each micro-batch's gradients (``torch.autograd.grad`` results, None for a
+    parameter it did not reach) into ``.grad``, micro-batch by micro-batch in order: the
+    sums ``backward()`` would have made running them one after another."""
+    for gs in grads:
+        for p, g in zip(params, gs):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+
+def split_parts(groups: list[list[int]], samples, parts: int) -> list[list[int]]:
+    """Cut the largest micro-batch in two until there are ``parts`` (or none can be cut),
+    at the prompt boundary nearest its middle token (a prompt's samples stay together, so
+    a packed prompt copy still serves its whole group) or, with one prompt, at the middle
+    sample."""
+    groups = [list(g) for g in groups]
+
+    def tokens(i):
+        s = samples[i]
+        return len(s.prompt_ids) + len(s.completion_ids)
+
+    while len(groups) < parts:
+        k = max(range(len(groups)), key=lambda j: sum(tokens(i) for i in groups[j]))
+        g = groups[k]
+        if len(g) < 2:
+            break
+        cuts = [j for j in range(1, len(g)) if samples[g[j]].group != samples[g[j - 1]].group]
+        cuts = cuts or list(range(1, len(g)))
+        half = sum(tokens(i) for i in g) / 2
+        run = [sum(tokens(i) for i in g[:j]) for j in range(len(g) + 1)]
+        cut = min(cuts, key=lambda j: abs(run[j] - half))
+        groups[k:k + 1] = [g[:cut], g[cut:]]
+    return groups

@@ -1,0 +1,37 @@
+"""Host memory probing: phase peaks (and the heap trims they need) on probe steps only."""
+
+import pytest
+
+import orbitrl.observe.memory as memory
+from orbitrl.config import load_config
+from orbitrl.rl.run import load_data
+from orbitrl.rl.trainer import RLTrainer
+
+SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
+         "data.heldout_size=8", "model.base_dtype=int8", "model.device=cpu"]
+
+
+def test_phase_peaks_and_heap_trims_on_probe_steps_only(monkeypatch):
+    cfg = load_config(None, SMALL + ["log.memory_every=3"])
+    train, held = load_data(cfg)
+    tr = RLTrainer(cfg, train, held)
+    trims = []
+    real = memory.trim_heap
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(1) or real())
+    monkeypatch.setattr("orbitrl.engine.governor.trim_heap", memory.trim_heap)
+    per_step, probed = [], []
+    for _ in range(7):
+        before = len(trims)
+        row = tr.step()
+        per_step.append(len(trims) - before)
+        probed.append(all(f"mem_{ph}_measured_bytes" in row for ph in ("rollout", "score", "train")))
+    # steps 0, 1 and every 3rd: measured (and trimmed) phase by phase
+    assert probed == [True, True, False, True, False, False, True]
+    assert [n > 0 for n in per_step] == probed
+    s = tr.mem.summary()
+    assert s["measured_peak_bytes"] > 0 and s["measured_train_bytes"] > 0
+
+
+def test_memory_every_must_be_positive():
+    with pytest.raises(Exception, match="log.memory_every"):
+        load_config(None, ["log.memory_every=0"])
