@@ -33,9 +33,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        if dtype != torch.float32:
+            x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 class Attention(nn.Module):

@@ -85,8 +85,12 @@ class LoRALinear(nn.Module):
             return self._add_delta(y, F.linear(x, a_w.to(x.dtype)), b_w.to(x.dtype))
         if not self.enabled:
             return y
-        a = F.linear(self.lora_dropout(x), self.lora_A.weight.to(x.dtype))  # [..., r]
-        return self._add_delta(y, a, self.lora_B.weight.to(x.dtype))
+        a_w, b_w = self.lora_A.weight, self.lora_B.weight
+        if a_w.dtype != x.dtype:  # (a same-dtype .to is a dispatch per call on the hot path)
+            a_w, b_w = a_w.to(x.dtype), b_w.to(x.dtype)
+        drop = self.lora_dropout
+        a = F.linear(x if isinstance(drop, nn.Identity) else drop(x), a_w)  # [..., r]
+        return self._add_delta(y, a, b_w)
 
     def _add_delta(self, y, a, b_w):
         """y + scale * a @ B^T as one GEMM accumulating into y (addmm, beta 1): the sum and

@@ -107,6 +107,7 @@ class Updater:
         # several workers: the micro-batches' forward + backward side by side, each with
         # its own gradients, summed in micro-batch order (rl/parallel.py)
         self.workers = workers or Workers(1)
+        self._named = None
         # train/eval switches only change dropout here; with none active they are skipped
         # (each walks every module: about 1 ms a step on the built-in model)
         self.mode_matters = any(isinstance(m, torch.nn.Dropout) and m.p > 0
@@ -270,8 +271,9 @@ class Updater:
     def _apply_adamw(self, metrics: list[dict]) -> tuple[dict, bool]:
         """The heartbeat before ``opt.step``: a spike or a non-finite loss leaves the weights
         and moments as the last good state and drops the gradients."""
-        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-        layers = layer_grad_norms(named, reduce=self.coll.all_sum)  # (a no-op on one process)
+        if self._named is None:  # (the trained tensors stay the same over a run)
+            self._named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        layers = layer_grad_norms(self._named, reduce=self.coll.all_sum)  # (a no-op on one process)
         norm = math.sqrt(sum(v * v for v in layers.values()))
         loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
         ok = self.guard.ok(norm if loss_ok else float("nan"))
