@@ -6,10 +6,10 @@ an :class:`orbitrl.envs.Environment`; a class whose ``__init__`` takes those two
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from orbitrl.errors import OrbitError
+from orbitrl.plugins import load_object
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -28,23 +28,6 @@ def register_env(name: str, override: bool = False):
 def list_envs() -> list[str]:
     _builtins()
     return sorted(_REGISTRY)
-
-
-def load_object(spec: str, what: str):
-    """The attribute a "pkg.module:attr" path names (a one-line OrbitError otherwise)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is a config error here
-        raise OrbitError(f"{what} {spec!r}: cannot import module {module_name!r} "
-                         f"({type(e).__name__}: {e})") from e
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise OrbitError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
-    if not callable(obj):
-        raise OrbitError(f"{what} {spec!r} is not callable")
-    return obj
 
 
 def get_env(name: str) -> Callable:

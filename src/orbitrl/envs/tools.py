@@ -111,7 +111,7 @@ SCHEMAS = {
 def build_tools(names: list[str], sandbox_cfg=None) -> dict:
     """name -> callable for the configured ``env.tools`` (built-ins or import paths; an
     import path's tool is called by its attribute name)."""
-    from orbitrl.envs.registry import load_object
+    from orbitrl.plugins import load_object
 
     out = {}
     for name in names:

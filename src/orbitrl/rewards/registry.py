@@ -8,10 +8,10 @@ token ids and fields only, never a model or the trainer.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 from orbitrl.errors import OrbitError
+from orbitrl.plugins import load_object
 
 RewardFn = Callable[..., float]
 
@@ -67,20 +67,7 @@ def get_reward(name: str | RewardFn, config: Any = None) -> RewardFn:
         fn = _REGISTRY[name]
         return fn.with_config(config) if config is not None and hasattr(fn, "with_config") else fn
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # noqa: BLE001 - any import failure is a config error here
-            raise OrbitError(f"reward {name!r}: cannot import module {module_name!r} "
-                             f"({type(e).__name__}: {e})") from e
-        fn = module
-        for part in attr.split("."):
-            fn = getattr(fn, part, None)
-            if fn is None:
-                raise OrbitError(f"reward {name!r}: module {module_name!r} has no {attr!r}")
-        if not callable(fn):
-            raise OrbitError(f"reward {name!r} is not callable")
-        return fn
+        return load_object(name, "reward")
     raise OrbitError(f"unknown reward {name!r}; registered: {', '.join(sorted(_REGISTRY))} "
                      f"(or give an import path 'pkg.module:func')")
 
