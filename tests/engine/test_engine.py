@@ -199,3 +199,23 @@ def test_engine_sees_weight_updates(hf_dirs):
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([prompt]))[0, -1], -1)[after.token_ids[0]]
     assert abs(want.item() - after.raw_logprobs[0]) < 1e-5
+
+
+def test_rollout_leaves_nothing_training_cannot_use(hf_dirs):
+    """The runner's inference mode (dense models): the dequantized base it caches is a
+    normal tensor, and a LoRA training step right after a rollout runs and trains."""
+    from orbitrl.model.lora import adapter_parameters, apply_lora
+    from orbitrl.model.quant import FrozenLinear, cache_dequantized
+
+    model = orbitrl.load_model(hf_dirs["llama"][0])
+    apply_lora(model, rank=4, alpha=8, base_format="nf4")
+    assert cache_dequantized(model, 1 << 30) > 0
+    eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
+    assert eng.runner._inference_ok()
+    prompt = random_prompts([8])[0]
+    eng.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))
+    cached = [m._cached[1] for m in model.modules() if isinstance(m, FrozenLinear)]
+    assert cached and not any(w.is_inference() for w in cached)
+    logits = model(torch.tensor([prompt]))
+    logits.float().logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in adapter_parameters(model))

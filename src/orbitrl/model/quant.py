@@ -273,7 +273,8 @@ class FrozenLinear(nn.Module):
         hit = self._cached
         if hit is not None and hit[0] is src and hit[1].dtype == dtype:
             return hit[1]
-        w = self.dequantize(dtype)
+        with torch.inference_mode(False):  # kept: a normal tensor even if made in a rollout
+            w = self.dequantize(dtype)
         self._cached = (src, w)
         return w
 
