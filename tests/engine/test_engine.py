@@ -204,6 +204,7 @@ def test_engine_sees_weight_updates(hf_dirs):
 def test_rollout_leaves_nothing_training_cannot_use(hf_dirs):
     """The runner's inference mode (dense models): the dequantized base it caches is a
     normal tensor, and a LoRA training step right after a rollout runs and trains."""
+    from orbitrl.model.decoder import inference_safe
     from orbitrl.model.lora import adapter_parameters, apply_lora
     from orbitrl.model.quant import FrozenLinear, cache_dequantized
 
@@ -211,7 +212,7 @@ def test_rollout_leaves_nothing_training_cannot_use(hf_dirs):
     apply_lora(model, rank=4, alpha=8, base_format="nf4")
     assert cache_dequantized(model, 1 << 30) > 0
     eng = Engine(model, kv_budget_bytes=1 << 20, block_size=4)
-    assert eng.runner._inference_ok()
+    assert inference_safe(model)
     prompt = random_prompts([8])[0]
     eng.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))
     cached = [m._cached[1] for m in model.modules() if isinstance(m, FrozenLinear)]

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
+from orbitrl.model.decoder import inference_safe
 from orbitrl.model.moe import ROW_FLOOR, Routing, record_routing, row_count, wants_routing
 
 
@@ -63,17 +64,10 @@ class ModelRunner:
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S
         sequences that computed their last token and so sample next, in row order).
 
-        Under ``torch.inference_mode`` where nothing the step creates outlives it into
-        training (about 10% of a small model's decode step on a CPU, dispatch overhead);
-        a mixture's recorded routing (replayed by the trainer) and layers whose hooks swap
-        their weights in (tiers, sharding) keep ``no_grad``."""
-        with torch.inference_mode() if self._inference_ok() else torch.no_grad():
+        Under ``torch.inference_mode`` where ``decoder.inference_safe`` (about 10% of a
+        small model's decode step on a CPU: dispatch overhead), else ``no_grad``."""
+        with torch.inference_mode() if inference_safe(self.model) else torch.no_grad():
             return self._run(items)
-
-    def _inference_ok(self) -> bool:
-        m = self.model
-        return getattr(m.config, "moe", None) is None and \
-            not any(layer._forward_pre_hooks for layer in m.model.layers)
 
     def _run(self, items: list[tuple[Sequence, int]]):
         # decode tokens first: PagedAttention batches them in one call

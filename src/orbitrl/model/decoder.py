@@ -248,3 +248,15 @@ class Decoder(nn.Module):
             sid += [i] * len(s)
         mk = lambda v: torch.tensor([v], dtype=torch.long, device=device)  # noqa: E731
         return mk(ids), mk(pos), mk(sid)
+
+
+def inference_safe(model) -> bool:
+    """Whether a no-grad forward of ``model`` may run under ``torch.inference_mode`` (less
+    dispatch work per op): nothing it creates may outlive it into a forward with
+    gradients. True for a dense model whose layers have no forward hooks; a mixture's
+    recorded routing (replayed by the trainer) and layers whose hooks swap their weights
+    in (tiers, sharding) need ``no_grad``. (A frozen base's dequantized cache is made
+    outside inference mode either way: ``quant.FrozenLinear.compute_weight``.)"""
+    return getattr(model.config, "moe", None) is None and \
+        not any(layer._forward_pre_hooks for layer in model.model.layers)
+

@@ -24,6 +24,7 @@ from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.losses import kl_estimate
 from orbitrl.rl.routing import attach_routing, replay_check
+from orbitrl.model.decoder import inference_safe
 from orbitrl.rl.parallel import Workers, split_parts
 from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused
@@ -243,12 +244,21 @@ class Scorer:
             elif reuse:  # the update's own forward gives them (actor_loss)
                 old = [None] * len(parts)
             else:
-                old = self.workers.map(lambda p: score(self.model, p, self.T), parts)
+                old = self.workers.map(lambda p: self._logprobs(self.model, p), parts)
             ref = [None] * len(parts)
             if need_ref:  # (the anchor is set up once, here, for every worker's pass)
                 with self.anchors.anchored() as ref_model:
-                    ref = self.workers.map(lambda p: score(ref_model, p, self.T), parts)
+                    ref = self.workers.map(lambda p: self._logprobs(ref_model, p), parts)
         return old, old_v, ref
+
+    def _logprobs(self, model, part):
+        """One no-grad scoring pass, under inference mode where the model allows it
+        (``decoder.inference_safe``; the result copied out of it for the loss)."""
+        if not inference_safe(model):
+            return score(model, part, self.T)
+        with torch.inference_mode():
+            out = score(model, part, self.T)
+        return out.clone()
 
     def _advantages(self, rewards, mask, values, kl, kl_coef, kept):
         """(advantages [B, T], PPO's returns [B, T] or None). PPO takes a trajectory's
