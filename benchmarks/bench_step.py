@@ -22,6 +22,10 @@ reference; the old policy too where the update cannot supply its logprobs),
 and one forward + backward of the loss-free sum of the completion logprobs. "step / floor"
 says how many times the math the step costs; "overhead" is the step minus the floor.
 
+``--compare-workers N`` (default 10) then alternates the same trainer's steps between one
+worker and ``train.workers`` (scoring and update micro-batches side by side on CPU threads,
+``rl/parallel.py``) and prints both, interleaved so both see the same load.
+
 Page faults and system time per step are printed too: on the host, the memory probe's heap
 trims (``log.memory_every``; ``--set log.memory_every=1`` probes every step) hand pages back
 that the next phase faults in again, one fault per 4 KiB.
@@ -152,6 +156,37 @@ def floor(trainer, samples, repeat: int) -> dict:
     return out
 
 
+def compare_workers(trainer, steps: int) -> str:
+    """The same trainer's steps alternating between one worker and ``train.workers``
+    (``rl/parallel.py``), interleaved so both see the same machine load: median ms per
+    phase and the ratio."""
+    from orbitrl.rl.parallel import Workers
+
+    many = trainer.updater.workers
+    if many.n < 2:
+        return "train.workers resolves to 1 here (see rl/parallel.py): no comparison"
+    one = Workers(1)
+    res: dict = {1: [], many.n: []}
+    for i in range(2 * steps):
+        w = (one, many)[(i + i // 2) % 2]  # 1, n, n, 1, 1, n, ...: neither always first
+        trainer.scorer.workers = trainer.updater.workers = w
+        _sync(trainer.device)
+        t0 = time.perf_counter()
+        row = trainer.step()
+        _sync(trainer.device)
+        ms = {p: 1000 * row.get(f"time_{p}_s", 0.0) for p in ("rollout", "score", "train")}
+        ms["step"] = 1000 * (time.perf_counter() - t0)
+        res[w.n].append(ms)
+    trainer.scorer.workers = trainer.updater.workers = many
+    lines = [f"train.workers 1 against {many.n}, {steps} interleaved steps each (median ms):",
+             f"| phase | 1 worker | {many.n} workers | ratio |", "|---|---:|---:|---:|"]
+    for p in ("rollout", "score", "train", "step"):
+        a = statistics.median(r[p] for r in res[1])
+        b = statistics.median(r[p] for r in res[many.n])
+        lines.append(f"| {p} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    return "\n".join(lines)
+
+
 def report(device: str, rows: list[dict], fl: dict, threads: int) -> str:
     step_mean = statistics.fmean(r["step"] for r in rows)
     lines = [f"device {device}, train.threads={threads}, {len(rows)} timed steps",
@@ -195,6 +230,9 @@ def main():
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     metavar="KEY=VALUE", help="a config override, as for orbitrl train")
     ap.add_argument("--json", help="also write the per-step timings here")
+    ap.add_argument("--compare-workers", type=int, default=10, metavar="N",
+                    help="then N interleaved steps each with one worker and with "
+                         "train.workers (0: skip)")
     a = ap.parse_args()
     devices = ["cpu", "cuda"] if a.device == "all" else [a.device]
     if "cuda" in devices and not torch.cuda.is_available():
@@ -206,6 +244,8 @@ def main():
         rows, samples = time_steps(trainer, a.warmup, a.steps)
         fl = floor(trainer, samples, a.repeat)
         print(report(dev, rows, fl, a.threads) + "\n", flush=True)
+        if a.compare_workers:
+            print(compare_workers(trainer, a.compare_workers) + "\n", flush=True)
         dump[dev] = dict(steps=rows, floor=fl)
         trainer.close()
         del trainer
