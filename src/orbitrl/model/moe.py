@@ -211,8 +211,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (the per-expert counts) per call. ``packed``: the stacked buffers and weights of
     :func:`pack_experts` (from ``_packed_weights``), computed in grouped GEMMs instead of the
     per-expert loop. On a CPU an expert's slice of fewer than ``ROW_FLOOR`` rows is padded
-    with zero rows to :func:`row_count` (see there), so a token's result does not depend on
-    how many other tokens chose its experts.
+    with zero rows to :func:`row_count` (see there) in the forward, so a token's result does
+    not depend on how many other tokens chose its experts; the stacked path's backward
+    runs on the real rows only (gradients need no row invariance).
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -221,21 +222,26 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     token = order // k  # [N * k] token of each sorted slot
     pad = x.device.type == "cpu" and any(0 < c < ROW_FLOOR and row_count(c) != c
                                           for c in counts)
-    if pad:  # zero rows (index N) after each short slice; ``keep`` drops them again
-        token_p, keep, counts = _padded_slots(token, counts, N)
-        xs = torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, token_p)
-    else:
-        xs = x.index_select(0, token)
+    padding = _padded_slots(token, counts) if pad else None
     if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
         (gu, dn), weights_ = packed
-        ys = _PackedExperts.apply(xs, counts, gu, dn, *weights_)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
+                                                               for w in weights_)):
+            ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, *weights_)
+        else:
+            ys = _packed_forward(x, token, counts, padding, gu, dn)
     else:
+        if pad:
+            token_p, keep, pcounts, _ = padding
+            xs = _gather_padded(x, token_p, padding)
+        else:
+            xs, pcounts = x.index_select(0, token), counts
         # split, not slices: a slice's backward fills a zero tensor the size of ``xs`` per
         # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
-        parts = xs.split(counts)
-        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if counts[e]])
-    if pad:
-        ys = ys.index_select(0, keep)
+        parts = xs.split(pcounts)
+        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if pcounts[e]])
+        if pad:
+            ys = ys.index_select(0, keep)
     ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
 
@@ -253,19 +259,28 @@ def row_count(m: int) -> int:
     return m if m >= ROW_FLOOR else -(-m // 4) * 4
 
 
-def _padded_slots(token: torch.Tensor, counts: list[int], zero_row: int):
-    """The sorted slots' token index with each short expert slice padded by ``zero_row``
-    entries to :func:`row_count` rows; the positions of the real slots in it; the padded
-    counts."""
+def _padded_slots(token: torch.Tensor, counts: list[int]):
+    """The sorted slots' token index with each short expert slice padded to
+    :func:`row_count` rows (padding entries point at token 0 and are zeroed after the
+    gather, see :func:`_gather_padded`); the positions of the real slots in it; the padded
+    counts; the positions of the padding entries."""
     padded = [row_count(c) if c else 0 for c in counts]
-    starts, at = [], 0
+    fill, at, shift, shifts = [], 0, 0, []
     for c, p in zip(counts, padded):
-        starts.append(at)
-        at += p
-    keep = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts) if c])
-    token_p = torch.full((at,), zero_row, dtype=token.dtype)
-    token_p[keep] = token.cpu()
-    return token_p.to(token.device), keep.to(token.device), padded
+        shifts.append(shift)  # real slot i of this expert sits at i + shift
+        fill.extend(range(at + c, at + p))
+        at, shift = at + p, shift + p - c
+    dev = token.device
+    keep = torch.arange(len(token), device=dev) + torch.repeat_interleave(
+        torch.tensor(shifts, device=dev), torch.tensor(counts, device=dev),
+        output_size=len(token))
+    token_p = token.new_zeros(at).index_copy_(0, keep, token)
+    return token_p, keep, padded, torch.tensor(fill, device=dev)
+
+
+def _gather_padded(x: torch.Tensor, token_p: torch.Tensor, padding) -> torch.Tensor:
+    """x's rows at ``token_p``, the padding rows zero."""
+    return x.index_select(0, token_p).index_fill_(0, padding[3], 0)
 
 
 class Expert(nn.Module):
@@ -394,6 +409,8 @@ def _pack(block: "SparseMoE") -> bool:
                and m.weight.dtype == torch.float32 for row in lins for m in row):
         return False
     E, (W, H) = len(lins), lins[0][0].weight.shape
+    if W % 4 or H % 4:  # the grouped GEMM wants 16-byte strides
+        return False
     gu, dn = torch.empty(E, H, 2 * W), torch.empty(E, W, H)
     for e, (g, u, d) in enumerate(lins):
         gu[e, :, :W], gu[e, :, W:], dn[e] = g.weight.t(), u.weight.t(), d.weight.t()
@@ -423,44 +440,72 @@ def _packed_weights(block: "SparseMoE"):
     return block.packed, [v[4] for v in block._pack_views]
 
 
+def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
+    """Every expert over its sorted rows from the stacked buffers: two grouped GEMMs on the
+    (padded) rows. Returns ys [S, H] on the real rows and, when ``saved``, what the backward
+    needs of the real rows: the gathered input xs, the gate|up pre-activations a and
+    silu(gate) sg."""
+    if padding is None:
+        xs, c = x.index_select(0, token), counts
+    else:
+        xs, c = _gather_padded(x, padding[0], padding), padding[2]
+    offs = torch.tensor(c, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
+    gate, up = a.chunk(2, dim=-1)
+    # silu over a strided half runs row by row: each row rounds alike whatever S is
+    sg = F.silu(gate)
+    ys = torch._grouped_mm(sg * up, dn, offs=offs)
+    if padding is not None:
+        keep = padding[1]
+        ys = ys.index_select(0, keep)
+        if saved:
+            xs, a, sg = (t.index_select(0, keep) for t in (xs, a, sg))
+    return (ys, xs, a, sg) if saved else ys
+
+
 class _PackedExperts(torch.autograd.Function):
-    """Every expert over its sorted rows from the stacked buffers, forward and backward in
-    grouped GEMMs, each weight's gradient computed per active expert into that expert's own
-    parameter (the buffers are not parameters: each expert's weights are views into them)."""
+    """:func:`_packed_forward` with its backward: the input and hidden gradients in grouped
+    GEMMs on the real rows (no padding), the weight gradients in two grouped GEMMs whose
+    per-expert slices become each active expert's ``.grad`` as they are (the buffers are not
+    parameters: each expert's weights are views into them, and each slice has its weight's
+    layout, so autograd keeps it without a copy)."""
 
     @staticmethod
-    def forward(ctx, xs, counts, gu, dn, *weights):
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
-        gate, up = a.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-        ctx.save_for_backward(xs, a, h)
-        ctx.counts, ctx.offs, ctx.gu, ctx.dn = counts, offs, gu, dn
-        return torch._grouped_mm(h, dn, offs=offs)
+    def forward(ctx, x, token, counts, padding, gu, dn, *weights):
+        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True)
+        ctx.save_for_backward(xs, a, sg, token)
+        ctx.counts, ctx.gu, ctx.dn, ctx.n = counts, gu, dn, x.shape[0]
+        return ys
 
     @staticmethod
     def backward(ctx, gy):
-        xs, a, h = ctx.saved_tensors
+        xs, a, sg, token = ctx.saved_tensors
+        counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
+        W = sg.shape[1]
         gy = gy.contiguous()
-        gh = torch._grouped_mm(gy, ctx.dn.transpose(1, 2), offs=ctx.offs)  # [S, W]
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
         gate, up = a.chunk(2, dim=-1)
-        ga = torch.cat([torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)], dim=-1)
-        gx = torch._grouped_mm(ga, ctx.gu.transpose(1, 2), offs=ctx.offs) \
-            if ctx.needs_input_grad[0] else None
-        grads, start, W = [], 0, h.shape[1]
-        for e, c in enumerate(ctx.counts):
-            if not any(ctx.needs_input_grad[4 + 3 * e:7 + 3 * e]) or not c:
-                grads += [None] * 3
-                start += c
-                continue
-            rows = slice(start, start + c)
-            start += c
-            g_a = ga[rows].t() @ xs[rows]  # [2W, H]
-            # down's weight is a transposed (column-major, dense) view: its gradient made
-            # in that layout becomes the .grad as it is; a row-major one would be copied
-            # into it (a transposing copy, a third of the backward at 16 tokens)
-            grads += [g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()]
-        return (gx, None, None, None, *grads)
+        ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
+        torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
+        torch.mul(gh, sg, out=ga[:, W:])
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs)
+            gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
+        need = [bool(c) and any(ctx.needs_input_grad[6 + 3 * e:9 + 3 * e])
+                for e, c in enumerate(counts)]
+        grads = [None] * (3 * len(counts))
+        if any(need):
+            # [E, 2W, H] and [E, W, H]: expert e's gate and up gradients are contiguous
+            # [W, H] slices, its down gradient the transposed (column-major) [H, W] its
+            # weight view has
+            g_gu = torch._grouped_mm(ga.t(), xs, offs=offs)
+            g_dn = torch._grouped_mm((sg * up).t(), gy, offs=offs)
+            for e, n in enumerate(need):
+                if n:
+                    grads[3 * e:3 * e + 3] = g_gu[e, :W], g_gu[e, W:], g_dn[e].t()
+        return (gx, None, None, None, None, None, *grads)
 
 
 def make_ffn(cfg, layer_idx: int, dense_factory):
