@@ -21,6 +21,7 @@ same object collects what the router losses need (load balancing, z-loss).
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -265,17 +266,25 @@ def _padded_slots(token: torch.Tensor, counts: list[int]):
     gather, see :func:`_gather_padded`); the positions of the real slots in it; the padded
     counts; the positions of the padding entries."""
     padded = [row_count(c) if c else 0 for c in counts]
-    fill, at, shift, shifts = [], 0, 0, []
+    fill, at = [], 0
     for c, p in zip(counts, padded):
-        shifts.append(shift)  # real slot i of this expert sits at i + shift
         fill.extend(range(at + c, at + p))
-        at, shift = at + p, shift + p - c
+        at += p
     dev = token.device
-    keep = torch.arange(len(token), device=dev) + torch.repeat_interleave(
-        torch.tensor(shifts, device=dev), torch.tensor(counts, device=dev),
-        output_size=len(token))
-    token_p = token.new_zeros(at).index_copy_(0, keep, token)
-    return token_p, keep, padded, torch.tensor(fill, device=dev)
+    if len(token) <= 512:  # few slots: index lists in Python (fewer small tensor ops)
+        keep, at = [], 0
+        for c, p in zip(counts, padded):
+            keep.extend(range(at, at + c))
+            at += p
+        keep_t = torch.tensor(keep, device=dev)
+    else:  # real slot i of expert e sits at i + (padding rows of the experts before e)
+        before = list(itertools.accumulate((p - c for c, p in zip(counts, padded)),
+                                           initial=0))[:-1]
+        keep_t = torch.arange(len(token), device=dev) + torch.repeat_interleave(
+            torch.tensor(before, device=dev), torch.tensor(counts, device=dev),
+            output_size=len(token))
+    token_p = token.new_zeros(at).index_copy_(0, keep_t, token)
+    return token_p, keep_t, padded, torch.tensor(fill, device=dev)
 
 
 def _gather_padded(x: torch.Tensor, token_p: torch.Tensor, padding) -> torch.Tensor:
@@ -296,7 +305,19 @@ class Expert(nn.Module):
 
     def forward(self, x):
         gate, up, down = (_call(getattr(self, n)) for n in self.names)
-        return down(F.silu(gate(x)) * up(x))
+        return down(silu_rows(gate(x)) * up(x))
+
+
+def silu_rows(g: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g)``, each row of a CPU tensor rounded alike whatever the row count. A
+    contiguous tensor is one flat loop: its last ``numel % 32`` values take the scalar
+    ``exp`` instead of the vectorised one (ulps apart), so a row's result depends on how
+    many rows precede it. Over a view with a gap after each row the loop runs row by
+    row, and every row splits the same way (the stacked experts' gate is such a view)."""
+    w = g.shape[-1]
+    if g.device.type != "cpu" or w % 32 == 0 or g.dim() < 2:
+        return F.silu(g)
+    return F.silu(F.pad(g, (0, 1))[..., :w])
 
 
 def _call(lin):
@@ -440,6 +461,11 @@ def _packed_weights(block: "SparseMoE"):
     return block.packed, [v[4] for v in block._pack_views]
 
 
+def _offsets(counts: list[int]) -> torch.Tensor:
+    """The grouped GEMM's group ends (int32 cumulative counts)."""
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+
+
 def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
     """Every expert over its sorted rows from the stacked buffers: two grouped GEMMs on the
     (padded) rows. Returns ys [S, H] on the real rows and, when ``saved``, what the backward
@@ -449,7 +475,7 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
         xs, c = x.index_select(0, token), counts
     else:
         xs, c = _gather_padded(x, padding[0], padding), padding[2]
-    offs = torch.tensor(c, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    offs = _offsets(c)
     a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
     gate, up = a.chunk(2, dim=-1)
     # silu over a strided half runs row by row: each row rounds alike whatever S is
@@ -461,6 +487,9 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
         if saved:
             xs, a, sg = (t.index_select(0, keep) for t in (xs, a, sg))
     return (ys, xs, a, sg) if saved else ys
+
+
+_DW_MODE = "grouped"
 
 
 class _PackedExperts(torch.autograd.Function):
@@ -483,7 +512,7 @@ class _PackedExperts(torch.autograd.Function):
         counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
         W = sg.shape[1]
         gy = gy.contiguous()
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = _offsets(counts)
         gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
         gate, up = a.chunk(2, dim=-1)
         ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
@@ -496,15 +525,24 @@ class _PackedExperts(torch.autograd.Function):
         need = [bool(c) and any(ctx.needs_input_grad[6 + 3 * e:9 + 3 * e])
                 for e, c in enumerate(counts)]
         grads = [None] * (3 * len(counts))
-        if any(need):
+        h = sg * up
+        if any(need) and _DW_MODE == "grouped":
             # [E, 2W, H] and [E, W, H]: expert e's gate and up gradients are contiguous
             # [W, H] slices, its down gradient the transposed (column-major) [H, W] its
             # weight view has
             g_gu = torch._grouped_mm(ga.t(), xs, offs=offs)
-            g_dn = torch._grouped_mm((sg * up).t(), gy, offs=offs)
+            g_dn = torch._grouped_mm(h.t(), gy, offs=offs)
             for e, n in enumerate(need):
                 if n:
                     grads[3 * e:3 * e + 3] = g_gu[e, :W], g_gu[e, W:], g_dn[e].t()
+        elif any(need):
+            start = 0
+            for e, c in enumerate(counts):
+                rows = slice(start, start + c)
+                start += c
+                if need[e]:
+                    g_a = ga[rows].t() @ xs[rows]  # [2W, H]
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()
         return (gx, None, None, None, None, None, *grads)
 
 
