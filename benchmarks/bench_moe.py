@@ -6,9 +6,16 @@ the ratio printed is the median over repeats of (transformers' time / ours) of t
 transformers runs its experts through ``config._experts_implementation``: "eager" (a loop over
 the experts hit), "batched_mm" (gathers every token's expert weights, one bmm) and
 "grouped_mm" (``torch._grouped_mm``, its default where it dispatches). Ours: the (token, slot)
-pairs sorted by expert, one matmul chain per active expert (model/moe.py).
+pairs sorted by expert, the experts' weights stacked at load (``moe.pack_experts``), two
+grouped GEMMs forward (short expert slices padded for row invariance), the backward's on the
+real rows, weight gradients per active expert (model/moe.py).
 
-    python benchmarks/bench_moe.py [--repeats 21] [--threads 1]
+    python benchmarks/bench_moe.py [--repeats 21] [--threads 1] [--clock wall|cpu]
+
+``--clock cpu`` times each call in the process's CPU time instead of wall-clock time: on a
+machine shared with other jobs a call's wall time includes the time other processes held
+its core, CPU time does not (with ``--threads 1``; cache and memory-bandwidth contention
+still count).
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ def build(family, h, w, e, k):
         ours.model.layers[0].ffn_name)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn, x, backward: bool) -> float:
     """Seconds of one call (and its backward); gradients start empty, as after a training
     step's ``zero_grad(set_to_none=True)`` (otherwise each repeat adds into the last one's,
@@ -60,13 +70,13 @@ def timed(fn, x, backward: bool) -> float:
     x = x.detach().requires_grad_(backward)
     for p in fn.parameters():
         p.grad = None
-    t = time.perf_counter()
+    t = CLOCK()
     if backward:
         fn(x).sum().backward()
     else:
         with torch.no_grad():
             fn(x)
-    return time.perf_counter() - t
+    return CLOCK() - t
 
 
 def run_shape(shape, repeats: int) -> list[tuple]:
@@ -112,9 +122,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", type=int, default=None, help="run only SHAPES[i]")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall-clock time, or the process's CPU time (see above)")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {a.threads} thread(s), fp32, medians of {a.repeats}")
+    print(f"torch {torch.__version__}, {a.threads} thread(s), fp32, medians of {a.repeats}, "
+          f"{a.clock} clock")
     print("| shape (family H/W/E/k, tokens) | pass | ours ms | " +
           " | ".join(f"{i} ms (ratio)" for i in HF_IMPLS) + " | max abs diff |")
     print("|---|---|---|" + "---|" * len(HF_IMPLS) + "---|")

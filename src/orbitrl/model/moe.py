@@ -468,20 +468,41 @@ def _offsets(counts: list[int]) -> torch.Tensor:
 
 
 def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
-    """Every expert over its sorted rows from the stacked buffers: two grouped GEMMs on the
-    (padded) rows. Returns ys [S, H] on the real rows and, when ``saved``, what the backward
-    needs of the real rows: the gathered input xs, the gate|up pre-activations a and
-    silu(gate) sg."""
+    """Every expert over its sorted rows from the stacked buffers (on the padded rows).
+    Returns ys [S, H] on the real rows and, when ``saved``, what the backward needs of the
+    real rows: the gathered input xs, the gate|up pre-activations a and silu(gate) sg.
+
+    Few rows per expert: two grouped GEMMs over all experts (one call each). Many: expert by
+    expert, gate|up GEMM, SiLU and down GEMM back to back, so the expert's [rows, 2W]
+    intermediate is still in cache when the next op reads it (the grouped GEMM runs the same
+    per-expert matmuls, so a row's result is the same either way)."""
     if padding is None:
         xs, c = x.index_select(0, token), counts
     else:
         xs, c = _gather_padded(x, padding[0], padding), padding[2]
-    offs = _offsets(c)
-    a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
-    gate, up = a.chunk(2, dim=-1)
-    # silu over a strided half runs row by row: each row rounds alike whatever S is
-    sg = F.silu(gate)
-    ys = torch._grouped_mm(sg * up, dn, offs=offs)
+    W = gu.shape[2] // 2
+    if _fused(c):
+        S = xs.shape[0]
+        ys = xs.new_empty(S, dn.shape[2])
+        a = xs.new_empty(S, 2 * W) if saved else None
+        sg = xs.new_empty(S, W) if saved else None
+        start = 0
+        for e, n in enumerate(c):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            start += n
+            ae = torch.mm(xs[rows], gu[e], out=a[rows]) if saved else xs[rows] @ gu[e]
+            gate, up = ae.chunk(2, dim=-1)
+            se = torch.ops.aten.silu.out(gate, out=sg[rows]) if saved else F.silu(gate)
+            torch.mm(se * up, dn[e], out=ys[rows])
+    else:
+        offs = _offsets(c)
+        a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
+        gate, up = a.chunk(2, dim=-1)
+        # silu over a strided half runs row by row: each row rounds alike whatever S is
+        sg = F.silu(gate)
+        ys = torch._grouped_mm(sg * up, dn, offs=offs)
     if padding is not None:
         keep = padding[1]
         ys = ys.index_select(0, keep)
@@ -490,14 +511,22 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
     return (ys, xs, a, sg) if saved else ys
 
 
+# rows per active expert from which the experts run one by one rather than grouped
+FUSED_MIN_ROWS = 64
+
+
+def _fused(counts) -> bool:
+    active = sum(1 for n in counts if n)
+    return active > 0 and sum(counts) >= FUSED_MIN_ROWS * active
+
+
 class _PackedExperts(torch.autograd.Function):
-    """:func:`_packed_forward` with its backward: the input and hidden gradients in grouped
-    GEMMs on the real rows (no padding), each active expert's weight gradients in one
-    matmul per projection pair, into that expert's own parameters (the buffers are not
-    parameters: each expert's weights are views into them). Measured against two grouped
-    GEMMs over all experts for the weight gradients: equal within noise, without a
-    gradient buffer for every expert (and the page faults of its fresh 16 MB at 1k
-    tokens)."""
+    """:func:`_packed_forward` with its backward, on the real rows (no padding: gradients
+    need no row invariance), grouped or expert by expert as the forward. Each active
+    expert's weight gradients come from one matmul per projection pair, into that expert's
+    own parameters (the buffers are not parameters: each expert's weights are views into
+    them). Two grouped GEMMs over all experts instead measured 2% slower at 16 tokens and
+    equal at 1k, with a gradient buffer for every expert (16 MB, fresh pages each step)."""
 
     @staticmethod
     def forward(ctx, x, token, counts, padding, gu, dn, *weights):
@@ -512,29 +541,50 @@ class _PackedExperts(torch.autograd.Function):
         counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
         W = sg.shape[1]
         gy = gy.contiguous()
-        offs = _offsets(counts)
-        gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
-        gate, up = a.chunk(2, dim=-1)
-        ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
-        torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
-        torch.mul(gh, sg, out=ga[:, W:])
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs)
-            gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
         need = [bool(c) and any(ctx.needs_input_grad[6 + 3 * e:9 + 3 * e])
                 for e, c in enumerate(counts)]
         grads = [None] * (3 * len(counts))
-        h, start = sg * up, 0
-        for e, c in enumerate(counts):  # each active expert's weight gradients
-            rows = slice(start, start + c)
-            start += c
-            if need[e]:
-                g_a = ga[rows].t() @ xs[rows]  # [2W, H]: gate | up, contiguous halves
-                # down's weight is a transposed (column-major, dense) view: its gradient
-                # made in that layout becomes the .grad as it is (a row-major one would be
-                # copied into it)
-                grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()
+        want_x = ctx.needs_input_grad[0]
+        ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
+        if _fused(counts):  # expert by expert, as the forward
+            gxs = xs.new_empty(xs.shape) if want_x else None
+            start = 0
+            for e, c in enumerate(counts):
+                if not c:
+                    continue
+                rows = slice(start, start + c)
+                start += c
+                gye, gae = gy[rows], ga[rows]
+                ghe = gye @ dn[e].t()
+                gate, up = a[rows].chunk(2, dim=-1)
+                torch.ops.aten.silu_backward.grad_input(ghe * up, gate, grad_input=gae[:, :W])
+                torch.mul(ghe, sg[rows], out=gae[:, W:])
+                if want_x:
+                    torch.mm(gae, gu[e].t(), out=gxs[rows])
+                if need[e]:
+                    g_a = gae.t() @ xs[rows]
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], \
+                        ((sg[rows] * up).t() @ gye).t()
+        else:
+            offs = _offsets(counts)
+            gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
+            gate, up = a.chunk(2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
+            torch.mul(gh, sg, out=ga[:, W:])
+            gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs) if want_x else None
+            h, start = sg * up, 0
+            for e, c in enumerate(counts):  # each active expert's weight gradients
+                rows = slice(start, start + c)
+                start += c
+                if need[e]:
+                    g_a = ga[rows].t() @ xs[rows]  # [2W, H]: gate | up, contiguous halves
+                    # down's weight is a transposed (column-major, dense) view: its
+                    # gradient made in that layout becomes the .grad as it is (a row-major
+                    # one would be copied into it)
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()
+        gx = None
+        if want_x:
+            gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
         return (gx, None, None, None, None, None, *grads)
 
 
