@@ -572,16 +572,15 @@ class _PackedExperts(torch.autograd.Function):
             torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
             torch.mul(gh, sg, out=ga[:, W:])
             gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs) if want_x else None
-            h, start = sg * up, 0
-            for e, c in enumerate(counts):  # each active expert's weight gradients
-                rows = slice(start, start + c)
-                start += c
+            parts = zip(ga.split(counts), xs.split(counts), (sg * up).split(counts),
+                        gy.split(counts))
+            for e, (gae, xse, he, gye) in enumerate(parts):  # weight gradients
                 if need[e]:
-                    g_a = ga[rows].t() @ xs[rows]  # [2W, H]: gate | up, contiguous halves
+                    g_a = torch.mm(gae.t(), xse)  # [2W, H]: gate | up, contiguous halves
                     # down's weight is a transposed (column-major, dense) view: its
                     # gradient made in that layout becomes the .grad as it is (a row-major
                     # one would be copied into it)
-                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], torch.mm(he.t(), gye).t()
         gx = None
         if want_x:
             gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
