@@ -173,11 +173,13 @@ def test_bad_moe_config_one_line_error(hf_dirs, change, msg):
     assert "\n" not in str(e.value) and "x/config.json" in str(e.value)
 
 
-def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
-    """load_model stacks plain CPU fp32 experts (moe.pack_experts): the grouped-GEMM path
-    gives the loop's outputs and gradients (input and every active expert's weights; none
-    for the others), sees in-place updates, and steps aside for good when a weight is
-    re-allocated."""
+@pytest.mark.parametrize("min_rows", [10 ** 9, 1])
+def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs, min_rows, monkeypatch):
+    """load_model stacks plain CPU fp32 experts (moe.pack_experts): the stacked path, grouped
+    (few rows per expert) or expert by expert (``FUSED_MIN_ROWS``), gives the loop's outputs
+    and gradients (input and every active expert's weights; none for the others), sees
+    in-place updates, and steps aside for good when a weight is re-allocated."""
+    monkeypatch.setattr(moe, "FUSED_MIN_ROWS", min_rows)
     path, _ = hf_dirs["qwen3_moe"]
     blk = orbitrl.load_model(path).train().model.layers[0].mlp
     for p in blk.parameters():
@@ -219,8 +221,9 @@ def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs):
 def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     """A token's sparse-layer output is the same to the bit alone, in a few tokens or in a
     large batch (each expert's short slice padded to moe.row_count rows, the shared gate
-    through a padded GEMM): what lets an engine step of few tokens give the trainer's
-    numbers (the routing-replay gap, docs/moe.md)."""
+    through a padded GEMM, SiLU row by row): what lets an engine step of few tokens give
+    the trainer's numbers (the routing-replay gap, docs/moe.md). The large batch runs the
+    stacked experts one by one, the small ones grouped: both round a row alike."""
     from contextlib import nullcontext
 
     from orbitrl.engine.model_runner import RowPadded
@@ -228,6 +231,8 @@ def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     path, _ = hf_dirs[family]
     layer = orbitrl.load_model(path).model.layers[0].mlp
     x = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(8))
+    m = layer.experts
+    assert layer.packed is not None and 300 * layer.top_k >= moe.FUSED_MIN_ROWS * len(m)
     with torch.no_grad():
         big = layer(x)[0]
         for n in range(1, 40):  # below ROW_FLOOR tokens the engine pads every GEMM too

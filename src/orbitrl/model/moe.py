@@ -21,6 +21,7 @@ same object collects what the router losses need (load balancing, z-loss).
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -211,8 +212,9 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (the per-expert counts) per call. ``packed``: the stacked buffers and weights of
     :func:`pack_experts` (from ``_packed_weights``), computed in grouped GEMMs instead of the
     per-expert loop. On a CPU an expert's slice of fewer than ``ROW_FLOOR`` rows is padded
-    with zero rows to :func:`row_count` (see there), so a token's result does not depend on
-    how many other tokens chose its experts.
+    with zero rows to :func:`row_count` (see there) in the forward, so a token's result does
+    not depend on how many other tokens chose its experts; the stacked path's backward
+    runs on the real rows only (gradients need no row invariance).
     """
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -221,22 +223,28 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     token = order // k  # [N * k] token of each sorted slot
     pad = x.device.type == "cpu" and any(0 < c < ROW_FLOOR and row_count(c) != c
                                           for c in counts)
-    if pad:  # zero rows (index N) after each short slice; ``keep`` drops them again
-        token_p, keep, counts = _padded_slots(token, counts, N)
-        xs = torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, token_p)
-    else:
-        xs = x.index_select(0, token)
+    padding = _padded_slots(token, counts) if pad else None
     if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
         (gu, dn), weights_ = packed
-        ys = _PackedExperts.apply(xs, counts, gu, dn, *weights_)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
+                                                               for w in weights_)):
+            ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, *weights_)
+        else:
+            ys = _packed_forward(x, token, counts, padding, gu, dn)
     else:
+        if pad:
+            token_p, keep, pcounts, _ = padding
+            xs = _gather_padded(x, token_p, padding)
+        else:
+            xs, pcounts = x.index_select(0, token), counts
         # split, not slices: a slice's backward fills a zero tensor the size of ``xs`` per
         # expert, split's concatenates once (a quarter of the layer's backward at 1k tokens)
-        parts = xs.split(counts)
-        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if counts[e]])
-    if pad:
-        ys = ys.index_select(0, keep)
-    ys = ys * weights.reshape(-1).index_select(0, order)[:, None]
+        parts = xs.split(pcounts)
+        ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if pcounts[e]])
+        if pad:
+            ys = ys.index_select(0, keep)
+    w = weights.reshape(-1).index_select(0, order)[:, None]
+    ys = ys * w if torch.is_grad_enabled() else ys.mul_(w)
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
 
 
@@ -253,19 +261,36 @@ def row_count(m: int) -> int:
     return m if m >= ROW_FLOOR else -(-m // 4) * 4
 
 
-def _padded_slots(token: torch.Tensor, counts: list[int], zero_row: int):
-    """The sorted slots' token index with each short expert slice padded by ``zero_row``
-    entries to :func:`row_count` rows; the positions of the real slots in it; the padded
-    counts."""
+def _padded_slots(token: torch.Tensor, counts: list[int]):
+    """The sorted slots' token index with each short expert slice padded to
+    :func:`row_count` rows (padding entries point at token 0 and are zeroed after the
+    gather, see :func:`_gather_padded`); the positions of the real slots in it; the padded
+    counts; the positions of the padding entries."""
     padded = [row_count(c) if c else 0 for c in counts]
-    starts, at = [], 0
+    fill, at = [], 0
     for c, p in zip(counts, padded):
-        starts.append(at)
+        fill.extend(range(at + c, at + p))
         at += p
-    keep = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts) if c])
-    token_p = torch.full((at,), zero_row, dtype=token.dtype)
-    token_p[keep] = token.cpu()
-    return token_p.to(token.device), keep.to(token.device), padded
+    dev = token.device
+    if len(token) <= 512:  # few slots: index lists in Python (fewer small tensor ops)
+        keep, at = [], 0
+        for c, p in zip(counts, padded):
+            keep.extend(range(at, at + c))
+            at += p
+        keep_t = torch.tensor(keep, device=dev)
+    else:  # real slot i of expert e sits at i + (padding rows of the experts before e)
+        before = list(itertools.accumulate((p - c for c, p in zip(counts, padded)),
+                                           initial=0))[:-1]
+        keep_t = torch.arange(len(token), device=dev) + torch.repeat_interleave(
+            torch.tensor(before, device=dev), torch.tensor(counts, device=dev),
+            output_size=len(token))
+    token_p = token.new_zeros(at).index_copy_(0, keep_t, token)
+    return token_p, keep_t, padded, torch.tensor(fill, device=dev)
+
+
+def _gather_padded(x: torch.Tensor, token_p: torch.Tensor, padding) -> torch.Tensor:
+    """x's rows at ``token_p``, the padding rows zero."""
+    return x.index_select(0, token_p).index_fill_(0, padding[3], 0)
 
 
 class Expert(nn.Module):
@@ -281,7 +306,19 @@ class Expert(nn.Module):
 
     def forward(self, x):
         gate, up, down = (_call(getattr(self, n)) for n in self.names)
-        return down(F.silu(gate(x)) * up(x))
+        return down(silu_rows(gate(x)) * up(x))
+
+
+def silu_rows(g: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g)``, each row of a CPU tensor rounded alike whatever the row count. A
+    contiguous tensor is one flat loop: its last ``numel % 32`` values take the scalar
+    ``exp`` instead of the vectorised one (ulps apart), so a row's result depends on how
+    many rows precede it. Over a view with a gap after each row the loop runs row by
+    row, and every row splits the same way (the stacked experts' gate is such a view)."""
+    w = g.shape[-1]
+    if g.device.type != "cpu" or w % 32 == 0 or g.dim() < 2:
+        return F.silu(g)
+    return F.silu(F.pad(g, (0, 1))[..., :w])
 
 
 def _call(lin):
@@ -394,6 +431,8 @@ def _pack(block: "SparseMoE") -> bool:
                and m.weight.dtype == torch.float32 for row in lins for m in row):
         return False
     E, (W, H) = len(lins), lins[0][0].weight.shape
+    if W % 4 or H % 4:  # the grouped GEMM wants 16-byte strides
+        return False
     gu, dn = torch.empty(E, H, 2 * W), torch.empty(E, W, H)
     for e, (g, u, d) in enumerate(lins):
         gu[e, :, :W], gu[e, :, W:], dn[e] = g.weight.t(), u.weight.t(), d.weight.t()
@@ -423,44 +462,129 @@ def _packed_weights(block: "SparseMoE"):
     return block.packed, [v[4] for v in block._pack_views]
 
 
-class _PackedExperts(torch.autograd.Function):
-    """Every expert over its sorted rows from the stacked buffers, forward and backward in
-    grouped GEMMs, each weight's gradient computed per active expert into that expert's own
-    parameter (the buffers are not parameters: each expert's weights are views into them)."""
+def _offsets(counts: list[int]) -> torch.Tensor:
+    """The grouped GEMM's group ends (int32 cumulative counts)."""
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
 
-    @staticmethod
-    def forward(ctx, xs, counts, gu, dn, *weights):
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
+    """Every expert over its sorted rows from the stacked buffers (on the padded rows).
+    Returns ys [S, H] on the real rows and, when ``saved``, what the backward needs of the
+    real rows: the gathered input xs, the gate|up pre-activations a and silu(gate) sg.
+
+    Few rows per expert: two grouped GEMMs over all experts (one call each). Many: expert by
+    expert, gate|up GEMM, SiLU and down GEMM back to back, so the expert's [rows, 2W]
+    intermediate is still in cache when the next op reads it (the grouped GEMM runs the same
+    per-expert matmuls, so a row's result is the same either way)."""
+    if padding is None:
+        xs, c = x.index_select(0, token), counts
+    else:
+        xs, c = _gather_padded(x, padding[0], padding), padding[2]
+    W = gu.shape[2] // 2
+    if _fused(c):
+        S = xs.shape[0]
+        ys = xs.new_empty(S, dn.shape[2])
+        a = xs.new_empty(S, 2 * W) if saved else None
+        sg = xs.new_empty(S, W) if saved else None
+        start = 0
+        for e, n in enumerate(c):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            start += n
+            ae = torch.mm(xs[rows], gu[e], out=a[rows]) if saved else xs[rows] @ gu[e]
+            gate, up = ae.chunk(2, dim=-1)
+            se = torch.ops.aten.silu.out(gate, out=sg[rows]) if saved else F.silu(gate)
+            torch.mm(se * up, dn[e], out=ys[rows])
+    else:
+        offs = _offsets(c)
         a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
         gate, up = a.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-        ctx.save_for_backward(xs, a, h)
-        ctx.counts, ctx.offs, ctx.gu, ctx.dn = counts, offs, gu, dn
-        return torch._grouped_mm(h, dn, offs=offs)
+        # silu over a strided half runs row by row: each row rounds alike whatever S is
+        sg = F.silu(gate)
+        ys = torch._grouped_mm(sg * up, dn, offs=offs)
+    if padding is not None:
+        keep = padding[1]
+        ys = ys.index_select(0, keep)
+        if saved:
+            xs, a, sg = (t.index_select(0, keep) for t in (xs, a, sg))
+    return (ys, xs, a, sg) if saved else ys
+
+
+# rows per active expert from which the experts run one by one rather than grouped
+FUSED_MIN_ROWS = 64
+
+
+def _fused(counts) -> bool:
+    active = sum(1 for n in counts if n)
+    return active > 0 and sum(counts) >= FUSED_MIN_ROWS * active
+
+
+class _PackedExperts(torch.autograd.Function):
+    """:func:`_packed_forward` with its backward, on the real rows (no padding: gradients
+    need no row invariance), grouped or expert by expert as the forward. Each active
+    expert's weight gradients come from one matmul per projection pair, into that expert's
+    own parameters (the buffers are not parameters: each expert's weights are views into
+    them). Two grouped GEMMs over all experts instead measured 2% slower at 16 tokens and
+    equal at 1k, with a gradient buffer for every expert (16 MB, fresh pages each step)."""
+
+    @staticmethod
+    def forward(ctx, x, token, counts, padding, gu, dn, *weights):
+        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True)
+        ctx.save_for_backward(xs, a, sg, token)
+        ctx.counts, ctx.gu, ctx.dn, ctx.n = counts, gu, dn, x.shape[0]
+        return ys
 
     @staticmethod
     def backward(ctx, gy):
-        xs, a, h = ctx.saved_tensors
+        xs, a, sg, token = ctx.saved_tensors
+        counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
+        W = sg.shape[1]
         gy = gy.contiguous()
-        gh = torch._grouped_mm(gy, ctx.dn.transpose(1, 2), offs=ctx.offs)  # [S, W]
-        gate, up = a.chunk(2, dim=-1)
-        ga = torch.cat([torch.ops.aten.silu_backward(gh * up, gate), gh * F.silu(gate)], dim=-1)
-        gx = torch._grouped_mm(ga, ctx.gu.transpose(1, 2), offs=ctx.offs) \
-            if ctx.needs_input_grad[0] else None
-        grads, start, W = [], 0, h.shape[1]
-        for e, c in enumerate(ctx.counts):
-            if not any(ctx.needs_input_grad[4 + 3 * e:7 + 3 * e]) or not c:
-                grads += [None] * 3
+        need = [bool(c) and any(ctx.needs_input_grad[6 + 3 * e:9 + 3 * e])
+                for e, c in enumerate(counts)]
+        grads = [None] * (3 * len(counts))
+        want_x = ctx.needs_input_grad[0]
+        ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
+        if _fused(counts):  # expert by expert, as the forward
+            gxs = xs.new_empty(xs.shape) if want_x else None
+            start = 0
+            for e, c in enumerate(counts):
+                if not c:
+                    continue
+                rows = slice(start, start + c)
                 start += c
-                continue
-            rows = slice(start, start + c)
-            start += c
-            g_a = ga[rows].t() @ xs[rows]  # [2W, H]
-            # down's weight is a transposed (column-major, dense) view: its gradient made
-            # in that layout becomes the .grad as it is; a row-major one would be copied
-            # into it (a transposing copy, a third of the backward at 16 tokens)
-            grads += [g_a[:W], g_a[W:], (h[rows].t() @ gy[rows]).t()]
-        return (gx, None, None, None, *grads)
+                gye, gae = gy[rows], ga[rows]
+                ghe = gye @ dn[e].t()
+                gate, up = a[rows].chunk(2, dim=-1)
+                torch.ops.aten.silu_backward.grad_input(ghe * up, gate, grad_input=gae[:, :W])
+                torch.mul(ghe, sg[rows], out=gae[:, W:])
+                if want_x:
+                    torch.mm(gae, gu[e].t(), out=gxs[rows])
+                if need[e]:
+                    g_a = gae.t() @ xs[rows]
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], \
+                        ((sg[rows] * up).t() @ gye).t()
+        else:
+            offs = _offsets(counts)
+            gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
+            gate, up = a.chunk(2, dim=-1)
+            torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
+            torch.mul(gh, sg, out=ga[:, W:])
+            gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs) if want_x else None
+            parts = zip(ga.split(counts), xs.split(counts), (sg * up).split(counts),
+                        gy.split(counts))
+            for e, (gae, xse, he, gye) in enumerate(parts):  # weight gradients
+                if need[e]:
+                    g_a = torch.mm(gae.t(), xse)  # [2W, H]: gate | up, contiguous halves
+                    # down's weight is a transposed (column-major, dense) view: its
+                    # gradient made in that layout becomes the .grad as it is (a row-major
+                    # one would be copied into it)
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], torch.mm(he.t(), gye).t()
+        gx = None
+        if want_x:
+            gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
+        return (gx, None, None, None, None, None, *grads)
 
 
 def make_ffn(cfg, layer_idx: int, dense_factory):
