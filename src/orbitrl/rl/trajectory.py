@@ -271,9 +271,8 @@ class TurnLoop:
         t.logprobs += seq.logprobs
         t.turns += 1
         t.last_finish = seq.finish_reason
-        t.text = seq.text if seq.text is not None else self.tok.decode(
-            seq.completion_ids, skip_special_tokens=True)
         raw = self.tok.decode(seq.completion_ids, skip_special_tokens=True)
+        t.text = seq.text if seq.text is not None else raw
         t.messages.append({"role": "assistant", "content": raw})
         t.log.append(("model", raw))
         if t.turns >= self.ecfg.max_turns and self.ecfg.tool_call_end in raw:
@@ -307,7 +306,8 @@ class TurnLoop:
     def _observe(self, t: Trajectory, obs: str) -> None:
         """Append the observation's tokens and resume the sequence (or end at a limit)."""
         obs = self.syntax.sanitize(obs, self.ecfg.max_output_chars)  # any environment's
-        so_far = self.tok.decode(t.info["prompt_ids"] + t.tokens, skip_special_tokens=False)
+        so_far = "" if self.fmt.mode == "plain" else self.tok.decode(  # (template mode only)
+            t.info["prompt_ids"] + t.tokens, skip_special_tokens=False)
         ids = self.fmt.observation(t, obs, so_far)
         total = len(t.info["prompt_ids"]) + len(t.tokens) + len(ids)
         if total + 1 >= self.max_total:
