@@ -66,3 +66,23 @@ def test_tool_summary_by_hand():
     assert s == {"tool_use_rate": 0.5, "tool_correct_rate": 0.25, "tool_solved_rate": 0.25,
                  "solved_without_tool": 0.25, "tool_errors": 1, "turns_mean": 1.5}
     assert tool_summary([{"score": 1.0}]) is None
+
+
+def test_sft_limit_takes_the_first_problems(tmp_path, monkeypatch, capsys):
+    """``--limit N``: the warm start sees the first N problems of the sft split, two traces
+    each (the call, then the answer after the result)."""
+    import orbitrl.train.sft as sft
+    from orbitrl.data.tool_arith import tool_rows
+
+    seen = {}
+
+    def fake(model, pairs, cfg, progress=None):
+        seen["pairs"] = pairs
+        return [0.0]
+
+    monkeypatch.setattr(sft, "train_sft", fake)
+    assert main(["sft", "--task", "tool_arith", "--limit", "5", "--steps", "1",
+                 "--out", str(tmp_path / "m")]) == 0
+    assert len(seen["pairs"]) == 10 == len(tool_rows("sft", 5))
+    assert main(["sft", "--task", "tool_arith", "--limit", "-1", "--out", str(tmp_path)]) == 2
+    assert "--limit -1" in capsys.readouterr().err

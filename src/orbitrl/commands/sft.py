@@ -12,6 +12,9 @@ def add_arguments(parser):
     src.add_argument("--data", default=None, help="JSONL file of prompt/answer rows")
     parser.add_argument("--prompt-field", default="prompt")
     parser.add_argument("--answer-field", default="answer")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="use the first N rows of --data or of the task's sft split "
+                        "(tool_arith: N problems, two traces each); 0: all")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -27,10 +30,13 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from orbitrl.data.datasets import load_rows, task_rows
+    from orbitrl.errors import OrbitError
     from orbitrl.model import load_model, load_tokenizer, save_pretrained
     from orbitrl.model.builtin import resolve_model_path
     from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft
 
+    if args.limit < 0:
+        raise OrbitError(f"--limit {args.limit}: must be >= 0 (0: every row)")
     torch.manual_seed(args.seed)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -39,8 +45,9 @@ def run(args) -> int:
     tok = load_tokenizer(path, model.config.vocab_size)
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
+        rows = rows[:args.limit] if args.limit else rows
     else:
-        rows = task_rows(args.task or "arith", "sft")
+        rows = task_rows(args.task or "arith", "sft", args.limit or None)
     pairs = encode_pairs(tok, rows, args.prompt_field, args.answer_field)
     bar = tqdm(total=args.steps, desc="sft", unit="step", file=sys.stderr)
 

@@ -18,9 +18,9 @@ tool trace as its two model turns, ``prompt -> call`` and ``prompt + call + resu
 answer``, so supervised learning, like RL, never trains on the environment's tokens.
 The split is large (4,000 problems) so that the warm start learns to copy operands and
 results rather than memorise problems: copying is the skill here, and it is learnt
-abruptly (docs/envs.md: 400 warm-start steps solve none of the held-out problems, 600
-solve three in four). A warm start stopped on the way leaves RL a model that calls the
-tool but miscopies, and the reward tells it which copies were right.
+abruptly, at a step that depends on the seed (docs/envs.md: the same schedule ends
+anywhere from 0% to 85% held-out). A warm start stopped on the way leaves RL a model that
+calls the tool but miscopies, and the reward tells it which copies were right.
 """
 
 from __future__ import annotations

@@ -126,13 +126,14 @@ class TurnLoop:
         self.syntax = syntax_of(self.ecfg)  # observations are cut and their markers escaped
         limit = self.ecfg.max_total_tokens or engine.max_model_len
         self.max_total = min(limit, engine.max_model_len - 1)
+        self.calls = EnvCalls(self.ecfg.time_limit_s, self.ecfg.workers)  # workers persist
 
     def run(self, rows: list[dict], params: SamplingParams, seed: int, first: int = 0,
             deadline_s: float | None = None) -> tuple[list[Trajectory], dict]:
         """n trajectories per row (``params.n``); returns them (dropped ones marked) and
         the counters of the batch."""
         t0 = time.perf_counter()
-        calls = EnvCalls(self.ecfg.time_limit_s, self.ecfg.workers)
+        calls, leaked = self.calls, self.calls.leaked
         stats = dict(env_errors=0, env_timeouts=0, kv_swapped_bytes=0, env_wait_s=0.0,
                      engine_idle_s=0.0)
         self.n = params.n
@@ -140,7 +141,7 @@ class TurnLoop:
         self._start(trajs, rows, params, seed, first)
         self._loop(trajs, calls, stats, t0, deadline_s)
         calls.cancel_all()
-        stats["env_threads_leaked"] = calls.leaked
+        stats["env_threads_leaked"] = calls.leaked - leaked
         return trajs, stats
 
     # ---- start ---------------------------------------------------------------------
@@ -217,6 +218,11 @@ class TurnLoop:
             else:
                 w = time.perf_counter()
                 results = calls.poll(wait_s=0.05)
+                while results and calls.pending:  # idle anyway: gather the calls ending
+                    more = calls.poll(wait_s=0.002)  # now, resumed in one prefill step
+                    if not more:
+                        break
+                    results += more
                 stats["engine_idle_s"] += time.perf_counter() - w
             for r in results:
                 self._env_done(trajs[r.key[1]], r, stats)
@@ -265,9 +271,8 @@ class TurnLoop:
         t.logprobs += seq.logprobs
         t.turns += 1
         t.last_finish = seq.finish_reason
-        t.text = seq.text if seq.text is not None else self.tok.decode(
-            seq.completion_ids, skip_special_tokens=True)
         raw = self.tok.decode(seq.completion_ids, skip_special_tokens=True)
+        t.text = seq.text if seq.text is not None else raw
         t.messages.append({"role": "assistant", "content": raw})
         t.log.append(("model", raw))
         if t.turns >= self.ecfg.max_turns and self.ecfg.tool_call_end in raw:
@@ -301,7 +306,8 @@ class TurnLoop:
     def _observe(self, t: Trajectory, obs: str) -> None:
         """Append the observation's tokens and resume the sequence (or end at a limit)."""
         obs = self.syntax.sanitize(obs, self.ecfg.max_output_chars)  # any environment's
-        so_far = self.tok.decode(t.info["prompt_ids"] + t.tokens, skip_special_tokens=False)
+        so_far = "" if self.fmt.mode == "plain" else self.tok.decode(  # (template mode only)
+            t.info["prompt_ids"] + t.tokens, skip_special_tokens=False)
         ids = self.fmt.observation(t, obs, so_far)
         total = len(t.info["prompt_ids"]) + len(t.tokens) + len(ids)
         if total + 1 >= self.max_total:
