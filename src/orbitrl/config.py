@@ -82,7 +82,7 @@ class TrainSection:
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
-    workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py); 0 = auto: the cores (at most 2) on a CPU with threads 1, one process, AdamW and no critic; 1 = one after another
+    workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py); 0 = auto: the cores (at most 2) on a CPU with threads 1, one process, AdamW, no critic and no LoRA dropout; 1 = one after another
     seed: int = 0
     deterministic: bool = False
 

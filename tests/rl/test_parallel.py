@@ -76,6 +76,8 @@ def test_auto_workers_only_where_micro_batches_can_run_side_by_side():
     assert resolve_workers(cfg, torch.device("cuda"), False, False, False) == 1
     cfg = load_config(None, SMALL + ["train.workers=2", "train.threads=2"])
     assert resolve_workers(cfg, cpu, False, False, False) == 1
+    cfg = load_config(None, SMALL + ["train.workers=2", "lora.dropout=0.1"])
+    assert resolve_workers(cfg, cpu, False, False, False) == 1
     with pytest.raises(Exception, match="train.workers"):
         load_config(None, ["train.workers=-1"])
 

@@ -26,10 +26,11 @@ def resolve_workers(cfg, device: torch.device, distributed: bool, fused: bool,
     """``train.workers`` (0 = auto): 1 where the micro-batches cannot run side by side (a
     device (one stream), several processes (their collectives run in lockstep), a fused
     optimizer that updates the weights during backward, PPO's critic stepping between
-    micro-batches, intra-op threads already using the cores); else the cores, at most 2."""
+    micro-batches, intra-op threads already using the cores, LoRA dropout drawing from the
+    one random generator in whichever order the threads come); else the cores, at most 2."""
     w = cfg.train.workers
     serial = (device.type != "cpu" or distributed or fused or critic
-              or cfg.train.threads != 1)
+              or cfg.train.threads != 1 or cfg.lora.dropout > 0)
     if w == 0:
         return 1 if serial else max(1, min(2, len(os.sched_getaffinity(0))))
     return 1 if serial else w

@@ -191,7 +191,7 @@ class Updater:
                       by_mb: dict):
         """Every micro-batch's forward + backward on the workers (AdamW, no critic: the
         weights stay put until ``_apply``); gradients summed in micro-batch order."""
-        params = [q for q in self.model.parameters() if q.requires_grad]
+        params = [q for _, q in self._trained()]
 
         def one(k):
             loss, m = self._loss(scored, k, epoch, version, denom)
@@ -202,6 +202,12 @@ class Updater:
         accumulate(params, [g for g, _ in done])
         for k, (_, m) in enumerate(done):
             by_mb[(epoch, k)] = m
+
+    def _trained(self) -> list:
+        """(name, parameter) of every trained tensor (the same ones for the whole run)."""
+        if self._named is None:
+            self._named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        return self._named
 
     def _micro_batch(self, scored: Scored, k: int, epoch: int, version: int, denom: float,
                      by_mb: dict):
@@ -271,9 +277,7 @@ class Updater:
     def _apply_adamw(self, metrics: list[dict]) -> tuple[dict, bool]:
         """The heartbeat before ``opt.step``: a spike or a non-finite loss leaves the weights
         and moments as the last good state and drops the gradients."""
-        if self._named is None:  # (the trained tensors stay the same over a run)
-            self._named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
-        layers = layer_grad_norms(self._named, reduce=self.coll.all_sum)  # (a no-op on one process)
+        layers = layer_grad_norms(self._trained(), reduce=self.coll.all_sum)  # (no-op: 1 process)
         norm = math.sqrt(sum(v * v for v in layers.values()))
         loss_ok = all(math.isfinite(m["loss"]) for m in metrics)
         ok = self.guard.ok(norm if loss_ok else float("nan"))
