@@ -82,7 +82,7 @@ class TrainSection:
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
-    workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py); 0 = auto: the cores (at most 2) on a CPU with threads 1, one process, AdamW, no critic and no LoRA dropout; 1 = one after another
+    workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py; the batch is cut into at least this many); 0 = auto: the cores (at most 2); always 1 on a GPU, under torchrun, in full mode, for mixtures, PPO, LoRA dropout, rollout.overlap or threads != 1
     seed: int = 0
     deterministic: bool = False
 
@@ -257,7 +257,7 @@ class LogSection:
     progress: bool = True
     align_every: int = 0  # check-alignment (engine vs trainer distributions) every N steps, logged as align_*; 0 = off; one process only
     align_prompts: int = 4  # the step's first N prompts are the check's prompt set
-    memory_every: int = 10  # per-phase memory peaks (mem_<phase>_measured_bytes) on steps 0, 1 and every N-th; on the host each probe trims the heap, whose pages the next phase faults back in, so the steps between probes skip it (1 = every step)
+    memory_every: int = 10  # host per-phase memory peaks (mem_<phase>_measured_bytes, the summary's measured peaks) on steps 0, 1 and every N-th only: each probe trims the heap (and so does the step's host hand-back), whose pages the next phase faults back in (1 = every step; a GPU measures every step)
 
     def __post_init__(self):
         _require(self, "log", ("every",), lambda v: v >= 1, ">= 1")

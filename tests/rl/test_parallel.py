@@ -73,19 +73,57 @@ def test_auto_workers_only_where_micro_batches_can_run_side_by_side():
     assert resolve_workers(cfg, cpu, True, False, False) == 1  # torchrun
     assert resolve_workers(cfg, cpu, False, True, False) == 1  # fused optimizer
     assert resolve_workers(cfg, cpu, False, False, True) == 1  # PPO's critic
+    assert resolve_workers(cfg, cpu, False, False, False, mixture=True) == 1
     assert resolve_workers(cfg, torch.device("cuda"), False, False, False) == 1
-    cfg = load_config(None, SMALL + ["train.workers=2", "train.threads=2"])
-    assert resolve_workers(cfg, cpu, False, False, False) == 1
-    cfg = load_config(None, SMALL + ["train.workers=2", "lora.dropout=0.1"])
-    assert resolve_workers(cfg, cpu, False, False, False) == 1
+    for over in ("train.threads=2", "lora.dropout=0.1", "train.mode=full",
+                 "rollout.overlap=true"):
+        cfg = load_config(None, SMALL + ["train.workers=2", over])
+        assert resolve_workers(cfg, cpu, False, False, False) == 1, over
+    cfg = load_config(None, SMALL + ["train.workers=2"])
+    assert resolve_workers(cfg, cpu, False, False, False) == 2
     with pytest.raises(Exception, match="train.workers"):
         load_config(None, ["train.workers=-1"])
 
 
-def test_side_by_side_update_is_bitwise_the_one_after_another_update(monkeypatch):
-    """Two workers against the same two micro-batches run one after another: the same
-    adapters to the bit after three steps, the passes spread over two threads."""
-    par = make("train.workers=2")
+def test_step_metrics_sum_the_loss_and_weigh_means_by_tokens():
+    from orbitrl.rl.update import mean_metrics
+
+    mbs = [{"loss": 0.25, "entropy": 1.0, "ratio_max": 1.5, "_tokens": 30.0},
+           {"loss": 0.5, "entropy": 4.0, "ratio_max": 1.2, "_tokens": 10.0}]
+    out = mean_metrics(mbs)
+    assert out == {"loss": 0.75, "entropy": (30 + 40) / 40, "ratio_max": 1.5}
+    assert mean_metrics(mbs + mbs, epochs=2)["loss"] == 0.75
+
+
+def test_adamw_is_fused_only_over_contiguous_tensors_and_gradients_keep_the_layout():
+    from types import SimpleNamespace
+
+    from orbitrl.rl.parallel import accumulate
+    from orbitrl.rl.update import build_optimizer
+
+    t = SimpleNamespace(optimizer="adamw", mode="adapter", lr=1e-2, weight_decay=0.0)
+    flat = [torch.nn.Parameter(torch.randn(4, 5))]
+    assert build_optimizer(t, flat, None).defaults["fused"]
+    stacked = torch.randn(4, 10)
+    view = torch.nn.Parameter(stacked[:, :5])  # an expert's slice of stacked weights
+    assert not view.is_contiguous()
+    opt = build_optimizer(t, [view], None)
+    assert not opt.defaults["fused"]
+    before = stacked.clone()
+    view.grad = torch.ones(4, 5)
+    opt.step()  # the slice moves, its neighbours do not
+    assert torch.equal(stacked[:, 5:], before[:, 5:]) and not torch.equal(stacked, before)
+    col = torch.nn.Parameter(torch.randn(5, 4).t())  # column-major parameter
+    accumulate([col], [[torch.ones(4, 5)]])
+    assert col.grad.stride() == col.stride() and torch.equal(col.grad, torch.ones(4, 5))
+
+
+def test_two_workers_are_bitwise_one_worker_on_the_same_micro_batches(monkeypatch):
+    """Two workers against one, both cutting the batch into the same micro-batches
+    (micro_batch_tokens): the same adapters to the bit after three steps, the same logged
+    loss and KL; the passes spread over two threads."""
+    cut = "train.micro_batch_tokens=64"
+    par = make("train.workers=2", cut)
     assert par.workers.n == 2
     seen = set()
     score = update_mod.score
@@ -99,8 +137,8 @@ def test_side_by_side_update_is_bitwise_the_one_after_another_update(monkeypatch
     assert "MainThread" in seen and any(n.startswith("orbitrl-mb") for n in seen)
     monkeypatch.undo()
 
-    ser = make("train.workers=2")
-    monkeypatch.setattr(Workers, "map", lambda self, fn, items: [fn(x) for x in items])
+    ser = make("train.workers=1", cut)
+    assert ser.workers.n == 1
     rows_ser = [ser.step() for _ in range(3)]
     for a, b in zip(par.policy.trainable, ser.policy.trainable):
         assert torch.equal(a, b)

@@ -259,4 +259,3 @@ def inference_safe(model) -> bool:
     outside inference mode either way: ``quant.FrozenLinear.compute_weight``.)"""
     return getattr(model.config, "moe", None) is None and \
         not any(layer._forward_pre_hooks for layer in model.model.layers)
-

@@ -96,12 +96,15 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         for k in mem_phases:
             ph = k[4:-len("_measured_bytes")]
-            ys = [(r.get(k) or 0) / 2**20 for r in rows]
-            line = ax.plot(steps, ys, lw=1.2, label=f"{ph} measured")[0]
+            # rows of probe steps only (log.memory_every)
+            xs = [x for x, r in zip(steps, rows) if r.get(k) is not None]
+            ys = [r[k] / 2**20 for r in rows if r.get(k) is not None]
+            line = ax.plot(xs, ys, lw=1.2, marker=".", label=f"{ph} measured")[0]
             pk = f"mem_{ph}_predicted_bytes"
             if pk in keys:
-                ax.plot(steps, [(r.get(pk) or 0) / 2**20 for r in rows], lw=1, ls="--",
-                        color=line.get_color(), label=f"{ph} predicted")
+                xp = [x for x, r in zip(steps, rows) if r.get(pk) is not None]
+                ax.plot(xp, [r[pk] / 2**20 for r in rows if r.get(pk) is not None], lw=1,
+                        ls="--", color=line.get_color(), label=f"{ph} predicted")
         ax.set_title("Memory by phase, measured vs planner (MiB)")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

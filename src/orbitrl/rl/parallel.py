@@ -8,8 +8,11 @@ threads on one GEMM of that size mostly wait on each other (and on a shared mach
 busy core). The engine's decode steps stay on one thread: they are Python-bound.
 
 Results come back in item order, and the update sums its micro-batches' gradients in that
-order on the calling thread (``Workers.grads``), so a run is bit-for-bit the one that runs
-the same micro-batches one after another.
+order on the calling thread (:func:`accumulate`), so a run is bit for bit the one that runs
+the same micro-batches one after another. The batch is cut into at least as many
+micro-batches as workers (:func:`split_parts`), so a run with two workers is not the
+one-worker run of the default ``micro_batch_tokens`` (a different cut rounds differently,
+about 1e-6 in the adapters after a step).
 """
 
 from __future__ import annotations
@@ -22,26 +25,34 @@ import torch
 
 
 def resolve_workers(cfg, device: torch.device, distributed: bool, fused: bool,
-                    critic: bool) -> int:
-    """``train.workers`` (0 = auto): 1 where the micro-batches cannot run side by side (a
-    device (one stream), several processes (their collectives run in lockstep), a fused
-    optimizer that updates the weights during backward, PPO's critic stepping between
-    micro-batches, intra-op threads already using the cores, LoRA dropout drawing from the
-    one random generator in whichever order the threads come); else the cores, at most 2."""
+                    critic: bool, mixture: bool = False) -> int:
+    """``train.workers`` (0 = auto), or 1 where micro-batches cannot run side by side or
+    should not: a device (one stream); several processes (their collectives run in
+    lockstep); a fused optimizer (it updates the weights during backward); PPO's critic
+    (it steps between micro-batches); intra-op threads already using the cores; LoRA dropout
+    (draws from the one random generator in thread order); full mode (two micro-batches'
+    activations and whole-model gradients at once, which the memory ledger does not price);
+    a mixture (its router losses are per-micro-batch means, so a cut would weigh them
+    again); the overlapped mode (its rollout thread already takes the second core). Else
+    auto takes the cores, at most 2."""
     w = cfg.train.workers
     serial = (device.type != "cpu" or distributed or fused or critic
-              or cfg.train.threads != 1 or cfg.lora.dropout > 0)
+              or cfg.train.threads != 1 or cfg.lora.dropout > 0 or cfg.train.mode != "adapter"
+              or mixture or cfg.rollout.overlap)
+    if serial:
+        return 1
     if w == 0:
-        return 1 if serial else max(1, min(2, len(os.sched_getaffinity(0))))
-    return 1 if serial else w
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        return max(1, min(2, cores))
+    return w
 
 
 class Workers:
     """Runs ``fn`` over items on ``n`` threads (the caller's among them)."""
 
-    def __init__(self, n: int):
-        self.n = n
-        threads = torch.get_num_threads()  # intra-op threads, as the caller's
+    def __init__(self, n: int, threads: int = 1):
+        self.n = n  # ``threads``: intra-op threads per worker (train.threads)
         self.pool = ThreadPoolExecutor(n - 1, thread_name_prefix="orbitrl-mb",
                                        initializer=torch.set_num_threads,
                                        initargs=(threads,)) if n > 1 else None
@@ -85,13 +96,14 @@ class Workers:
 def accumulate(params: Sequence[torch.Tensor], grads: Sequence[Sequence]) -> None:
     """Add each micro-batch's gradients (``torch.autograd.grad`` results, None for a
     parameter it did not reach) into ``.grad``, micro-batch by micro-batch in order: the
-    sums ``backward()`` would have made running them one after another."""
+    sums ``backward()`` would have made running them one after another, in the parameter's
+    own layout as ``backward()`` keeps it."""
     for gs in grads:
         for p, g in zip(params, gs):
             if g is None:
                 continue
             if p.grad is None:
-                p.grad = g
+                p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
             else:
                 p.grad.add_(g)
 

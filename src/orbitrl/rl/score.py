@@ -18,13 +18,13 @@ import torch
 
 from orbitrl.config import AlgoSection
 from orbitrl.errors import OrbitError
+from orbitrl.model.decoder import inference_safe
 from orbitrl.rewards import RewardSource, get_reward
 from orbitrl.rl import advantages as A
 from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.losses import kl_estimate
 from orbitrl.rl.routing import attach_routing, replay_check
-from orbitrl.model.decoder import inference_safe
 from orbitrl.rl.parallel import Workers, split_parts
 from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused

@@ -119,7 +119,9 @@ class RLTrainer:
         self.rollouts = Rollouts(cfg, self.engine, self.governor, self.model, self.encode,
                                  self.data, self.coll)
         self.workers = Workers(resolve_workers(cfg, self.device, self.coll.enabled,
-                                               is_fused(self.opt), self.critic is not None))
+                                               is_fused(self.opt), self.critic is not None,
+                                               self.model.config.moe is not None),
+                               max(1, cfg.train.threads))
         self.scorer = Scorer(cfg, self.model, self.device, self.rewards, self.anchors,
                              self.kl_ctl, self.critic, self.opt, self.coll, self.workers)
         self.updater = Updater(cfg, self.model, self.policy.trainable, self.opt, self.guard,
@@ -198,7 +200,9 @@ class RLTrainer:
         t_step = time.perf_counter()
         # phase peaks on probe steps only: a host probe trims the heap before each phase
         every = self.cfg.log.memory_every
-        self._probed = self.iteration < 2 or self.iteration % every == 0
+        # (a device's probe trims nothing and costs what the plain timer does: every step)
+        self._probed = (self.iteration < 2 or self.iteration % every == 0
+                        or self.device.type == "cuda")
         timer = self.mem.timer() if self._probed else PhaseTimer(self.device)
         position = None if self.cfg.rollout.overlap or self.pool else self.data.position()
         try:

@@ -75,14 +75,24 @@ def lr_at(t, step: int) -> float:
     return t.lr * warm
 
 
-def mean_metrics(metrics: list[dict]) -> dict:
-    """Micro-batches' metrics into the step's: ``*_max`` the maximum, the rest the mean."""
+def mean_metrics(metrics: list[dict], epochs: int = 1) -> dict:
+    """Micro-batches' metrics into the step's: ``*_max`` the maximum; ``loss`` the sum over
+    micro-batches (each is already normalised by the whole batch), averaged over epochs; the
+    rest the mean, weighted by each micro-batch's loss tokens (``_tokens``) where given."""
     out = {}
-    keys = set().union(*metrics) if metrics else set()
+    keys = set().union(*metrics) - {"_tokens"} if metrics else set()
     for k in keys:
-        vals = [m[k] for m in metrics if k in m and isinstance(m[k], (int, float))]
-        if vals:
-            out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+        rows = [m for m in metrics if k in m and isinstance(m[k], (int, float))]
+        if not rows:
+            continue
+        vals = [m[k] for m in rows]
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k == "loss":
+            out[k] = sum(vals) / max(1, epochs)
+        else:
+            w = [m.get("_tokens", 1.0) for m in rows]
+            out[k] = sum(v * x for v, x in zip(vals, w)) / max(sum(w), 1e-12)
     return out
 
 
@@ -150,7 +160,7 @@ class Updater:
             if self.workers.n > 1:
                 if stop():
                     raise StepAbandoned()
-                self._side_by_side(scored, epoch, version, denom, by_mb)
+                self._side_by_side(scored, epoch, version, denom, by_mb, stop)
                 continue
             for k in range(n_mb):
                 if k >= len(scored.parts):
@@ -185,10 +195,11 @@ class Updater:
         if algo.check and version == 0 and epoch == 0 and k == 0:
             assert abs(m["ratio_mean"] - 1) < 1e-5, \
                 f"check: policy ratio at step 0 is {m['ratio_mean']}"
+        m["_tokens"] = float(scored.mask[a:b, :T_k].sum())  # the step's means weigh by it
         return loss, m
 
     def _side_by_side(self, scored: Scored, epoch: int, version: int, denom: float,
-                      by_mb: dict):
+                      by_mb: dict, stop):
         """Every micro-batch's forward + backward on the workers (AdamW, no critic: the
         weights stay put until ``_apply``); gradients summed in micro-batch order."""
         params = [q for _, q in self._trained()]
@@ -198,10 +209,14 @@ class Updater:
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             return grads, m | {"loss": float(loss.detach())}
 
-        done = self.workers.map(one, range(len(scored.parts)))
-        accumulate(params, [g for g, _ in done])
-        for k, (_, m) in enumerate(done):
-            by_mb[(epoch, k)] = m
+        n, K = self.workers.n, len(scored.parts)
+        for start in range(0, K, n):  # n at a time: n micro-batches' gradients held at most
+            if start and stop():
+                raise StepAbandoned()
+            done = self.workers.map(one, range(start, min(start + n, K)))
+            accumulate(params, [g for g, _ in done])
+            for k, (_, m) in enumerate(done, start):
+                by_mb[(epoch, k)] = m
 
     def _trained(self) -> list:
         """(name, parameter) of every trained tensor (the same ones for the whole run)."""
@@ -252,7 +267,7 @@ class Updater:
         out, ok = self._apply_fused() if self.fused else self._apply_adamw(metrics)
         out["step_skipped"] = 0 if ok else 1
         out.update(self.skip_counts())
-        out.update(mean_metrics(metrics))
+        out.update(mean_metrics(metrics, self.algo.epochs))
         return out
 
     def _apply_fused(self) -> tuple[dict, bool]:
@@ -307,10 +322,17 @@ def build_optimizer(t, params, veto):
     if name == "adamw":
         # the fused kernel (one pass over all tensors; 0.45 ms instead of 2.5 ms for the
         # built-in model's 56 adapter tensors on a CPU core), within an ulp of the loop
-        try:
-            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, fused=True)
-        except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        # only over contiguous tensors: the CPU kernel walks a parameter as flat memory from
+        # its data pointer (a strided view, e.g. an expert's slice of stacked weights, would
+        # have its neighbours' memory updated)
+        params = list(params)
+        if all(p.is_contiguous() for p in params):
+            try:
+                return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+                                         fused=True)
+            except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
+                pass
+        return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     from orbitrl.train.optim import build_optimizer as build_fused
 
     opt = build_fused(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,
