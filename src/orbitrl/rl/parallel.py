@@ -59,8 +59,9 @@ class Workers:
 
     def map(self, fn: Callable, items: Sequence) -> list:
         """[fn(item) for item in items], up to ``n`` at a time; the first error is raised
-        once every running item is done. ``fn`` runs with gradients enabled on the pool's
-        threads (grad mode is per thread): wrap it in ``torch.no_grad()`` where needed."""
+        once every running item is done. ``fn`` runs under the caller's grad mode on every
+        thread (grad mode is per thread, and carried over here); inference mode is not
+        carried: enter it inside ``fn``."""
         if self.pool is None or len(items) < 2:
             return [fn(x) for x in items]
         grad = torch.is_grad_enabled()
