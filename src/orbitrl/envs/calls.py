@@ -9,7 +9,7 @@ result is reported as a timeout, its worker is retired (it exits if the call eve
 returns) and another takes its place; Python cannot kill the thread, so it is counted in
 ``leaked`` (a daemon thread never keeps the process alive). A coroutine a call returns is
 run to completion with ``asyncio.run`` on its worker. Exceptions are results, never raised
-into the caller. An idle worker exits after ``IDLE_S``.
+into the caller. An idle worker exits after ``workpool.IDLE_S``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-IDLE_S = 30.0  # an idle worker thread exits after this many seconds
+from orbitrl.workpool import WorkerPool
 
 
 @dataclass
@@ -32,10 +32,6 @@ class CallResult:
     seconds: float = 0.0
 
 
-class _Worker:
-    retired = False
-
-
 class EnvCalls:
     """Runs calls concurrently (at most ``workers`` at once; the rest queue) with a time
     limit each, counted from when the call starts. One instance serves many batches:
@@ -44,11 +40,11 @@ class EnvCalls:
 
     def __init__(self, time_limit_s: float, workers: int = 16):
         self.time_limit_s, self.workers = float(time_limit_s), max(1, int(workers))
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()  # (batch, key, fn, args, limit)
+        # tasks: (batch, key, fn, args, limit)
+        self._pool = WorkerPool(self._run, self.workers, "orbitrl-env")
         self._done: queue.SimpleQueue = queue.SimpleQueue()   # (batch, CallResult)
         self._queued = 0
         self._running: dict = {}  # key -> (start time, time limit, worker)
-        self._pool: set[_Worker] = set()  # live, not retired
         self._lock = threading.Lock()
         self._batch = 0
         self.leaked = 0
@@ -57,44 +53,27 @@ class EnvCalls:
         """Run ``fn(*args)``; ``limit_s`` overrides the time limit for this call."""
         with self._lock:
             self._queued += 1
-        self._tasks.put((self._batch, key, fn, args,
-                         self.time_limit_s if limit_s is None else limit_s))
-        self._staff()
+        self._pool.tasks.put((self._batch, key, fn, args,
+                              self.time_limit_s if limit_s is None else limit_s))
+        self._pool.staff(self.pending)
 
-    def _staff(self) -> None:
-        """Workers up to min(workers, calls queued or running)."""
+    def _run(self, task, w) -> None:
+        batch, key, fn, args, limit = task
         with self._lock:
-            while len(self._pool) < min(self.workers, self._queued + len(self._running)):
-                w = _Worker()
-                self._pool.add(w)
-                threading.Thread(target=self._work, args=(w,), daemon=True,
-                                 name="orbitrl-env").start()
-
-    def _work(self, w: _Worker) -> None:
-        while not w.retired:
-            try:
-                batch, key, fn, args, limit = self._tasks.get(timeout=IDLE_S)
-            except queue.Empty:
-                with self._lock:  # a caller staffs after queueing: recheck under the lock
-                    if not self._tasks.empty():
-                        continue
-                    self._pool.discard(w)
+            if batch != self._batch:  # a cancelled batch's call: skipped
                 return
-            with self._lock:
-                if batch != self._batch:  # a cancelled batch's call: skipped
-                    continue
-                self._queued -= 1
-                t0 = time.perf_counter()
-                self._running[key] = (t0, limit, w)
-            try:
-                value = fn(*args)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_awaited(value))
-                res = CallResult(key, value, "", time.perf_counter() - t0)
-            except BaseException as e:  # noqa: BLE001 - an environment's failure is a result
-                res = CallResult(key, None, f"{type(e).__name__}: {e}"[:300],
-                                 time.perf_counter() - t0)
-            self._done.put((batch, res))
+            self._queued -= 1
+            t0 = time.perf_counter()
+            self._running[key] = (t0, limit, w)
+        try:
+            value = fn(*args)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_awaited(value))
+            res = CallResult(key, value, "", time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - an environment's failure is a result
+            res = CallResult(key, None, f"{type(e).__name__}: {e}"[:300],
+                             time.perf_counter() - t0)
+        self._done.put((batch, res))
 
     @property
     def pending(self) -> int:
@@ -119,11 +98,10 @@ class EnvCalls:
             for key, (t0, limit, w) in list(self._running.items()):
                 if now - t0 > limit:
                     del self._running[key]
-                    w.retired = True  # stuck in the call: it exits if the call returns
-                    self._pool.discard(w)
+                    self._pool.retire(w)  # stuck in the call: it exits if the call returns
                     self.leaked += 1
                     out.append(CallResult(key, None, "timeout", now - t0))
-        self._staff()
+        self._pool.staff(self.pending)
         return out
 
     def cancel_all(self) -> None:
@@ -133,8 +111,7 @@ class EnvCalls:
             self._batch += 1
             self._queued = 0
             for _, _, w in self._running.values():
-                w.retired = True
-                self._pool.discard(w)
+                self._pool.retire(w)
             self.leaked += len(self._running)
             self._running = {}
 

@@ -6,11 +6,11 @@ its reason, counted per source; training continues. Per-source metrics make a fa
 verifier visible instead of passing for a wrong answer.
 
 Timeouts: calls run on at most `max_workers` daemon worker threads that persist across
-batches (a thread per call cost more than the call: 64 exact-match calls took ~30 ms of
-thread start-ups per step); an idle worker exits after `IDLE_S`. Python cannot kill a
-thread, so a call that exceeds the limit is abandoned: its worker is retired (it exits when
-the function returns; the result is discarded) and a fresh worker takes its place, or the
-process exits first (daemon threads do not block exit). Each abandoned call is counted in
+batches (`orbitrl/workpool.py`; a thread per call cost more than the call: 64 exact-match
+calls took ~30 ms of thread start-ups per step); an idle worker exits after `IDLE_S` there.
+Python cannot kill a thread, so a call that exceeds the limit is abandoned: its worker is
+retired (it exits when the function returns; the result is discarded) and a fresh worker
+takes its place, or the process exits first (daemon threads do not block exit). Each abandoned call is counted in
 `leaked_threads`; a reward that hangs forever leaks one thread per call, so fix or drop such
 a source. At most `max_workers` calls run at once (abandoned ones aside); a call's limit
 starts when it starts, not when it was queued.
@@ -27,14 +27,12 @@ from __future__ import annotations
 import math
 import numbers
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from orbitrl.rewards.registry import get_reward
-
-IDLE_S = 30.0  # an idle worker thread exits after this many seconds
+from orbitrl.workpool import Worker, WorkerPool
 
 
 @dataclass
@@ -111,9 +109,8 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.max_workers = max(1, int(max_workers))
         self.leaked_threads = 0
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()  # (_Job, call index)
-        self._workers: set[_Worker] = set()  # live, not retired
-        self._lock = threading.Lock()
+        # tasks: (_Job, call index)
+        self._pool = WorkerPool(self._work, self.max_workers, "reward-worker")
 
     def __call__(self, prompts: list[str], completions: list[str],
                  fields: list[dict[str, Any]] | None = None) -> RewardResult:
@@ -198,10 +195,10 @@ class RewardRunner:
         job = _Job(calls, prompts, completions, fields)
         results: list[tuple[str, Any] | None] = [None] * len(calls)
         for j in range(len(calls)):
-            self._tasks.put((job, j))
+            self._pool.tasks.put((job, j))
         pending = set(range(len(calls)))
         while pending:
-            self._staff(len(pending))
+            self._pool.staff(len(pending))
             now = time.monotonic()
             deadlines = [job.started[j][0] + self.timeout_s for j in pending
                          if j in job.started]
@@ -218,44 +215,16 @@ class RewardRunner:
             for j in [j for j in pending if j in job.started
                       and job.started[j][0] + self.timeout_s <= now]:
                 pending.discard(j)
-                self._retire(job.started[j][1])
+                self._pool.retire(job.started[j][1])
                 self.leaked_threads += 1
                 results[j] = ("timeout", f"exceeded the {self.timeout_s:g} s limit")
         return results  # type: ignore[return-value]
 
-    def _staff(self, pending: int) -> None:
-        """Start workers up to min(max_workers, pending calls)."""
-        with self._lock:
-            while len(self._workers) < min(self.max_workers, pending):
-                w = _Worker()
-                self._workers.add(w)
-                threading.Thread(target=self._work, args=(w,), daemon=True,
-                                 name=f"reward-worker-{id(w):x}").start()
-
-    def _retire(self, w: "_Worker") -> None:
-        """A worker stuck in an abandoned call: it exits when (if) the call returns."""
-        with self._lock:
-            w.retired = True
-            self._workers.discard(w)
-
-    def _work(self, w: "_Worker") -> None:
-        while not w.retired:
-            try:
-                job, j = self._tasks.get(timeout=IDLE_S)
-            except queue.Empty:
-                with self._lock:  # a caller staffs after queueing: recheck under the lock
-                    if not self._tasks.empty():
-                        continue
-                    self._workers.discard(w)
-                return
-            i, k = job.calls[j]
-            job.started[j] = (time.monotonic(), w)
-            job.done.put((j, self._call(k, job.prompts[i], job.completions[i],
-                                        job.fields[i])))
-
-
-class _Worker:
-    retired = False
+    def _work(self, task, w: Worker) -> None:
+        job, j = task
+        i, k = job.calls[j]
+        job.started[j] = (time.monotonic(), w)
+        job.done.put((j, self._call(k, job.prompts[i], job.completions[i], job.fields[i])))
 
 
 class _Job:
@@ -264,5 +233,5 @@ class _Job:
     def __init__(self, calls, prompts, completions, fields):
         self.calls, self.prompts, self.completions, self.fields = \
             calls, prompts, completions, fields
-        self.started: dict[int, tuple[float, _Worker]] = {}
+        self.started: dict[int, tuple[float, Worker]] = {}
         self.done: queue.SimpleQueue = queue.SimpleQueue()
