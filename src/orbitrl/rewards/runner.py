@@ -10,8 +10,8 @@ batches (`orbitrl/workpool.py`; a thread per call cost more than the call: 64 ex
 calls took ~30 ms of thread start-ups per step); an idle worker exits after `IDLE_S` there.
 Python cannot kill a thread, so a call that exceeds the limit is abandoned: its worker is
 retired (it exits when the function returns; the result is discarded) and a fresh worker
-takes its place, or the process exits first (daemon threads do not block exit). Each abandoned call is counted in
-`leaked_threads`; a reward that hangs forever leaks one thread per call, so fix or drop such
+takes its place, or the process exits first (daemon threads do not block exit). Each
+abandoned call is counted in `leaked_threads`; a reward that hangs forever leaks one thread per call, so fix or drop such
 a source. At most `max_workers` calls run at once (abandoned ones aside); a call's limit
 starts when it starts, not when it was queued.
 

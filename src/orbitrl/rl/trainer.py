@@ -325,7 +325,7 @@ class RLTrainer:
         if sc.batch is not None:
             row.update(sc.batch.metrics)
         row.update(upd.metrics)
-        if back and sc.anything and (self._probed or self.device.type == "cuda"):
+        if back and sc.anything and self._probed:  # (a device's steps are all probed)
             row["memory_handed_back_bytes"] += hand_back(self.device)
         seconds = {**ro.seconds, **timer.seconds}
         row["policy_version"] = self.step_idx
