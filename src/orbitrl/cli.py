@@ -44,13 +44,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._module.run(args) or 0)
+        code = int(args._module.run(args) or 0)
     except OrbitError as e:
         print(f"orbitrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print(f"orbitrl {args.command}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    dist_env = sys.modules.get("orbitrl.distributed.env")
+    if argv is None and dist_env is not None and dist_env.joined_group():
+        dist_env.exit_now(code)  # a rank of a torchrun launch: skip the teardown (see there)
+    return code
 
 
 if __name__ == "__main__":

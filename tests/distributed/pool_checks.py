@@ -9,6 +9,7 @@ import torch
 import torch.distributed as td
 
 from orbitrl.distributed.channel import FINISH, WEIGHTS, Channel
+from orbitrl.distributed.env import exit_now
 from orbitrl.distributed.weight_sync import WeightSync, synced
 
 
@@ -141,3 +142,4 @@ if __name__ == "__main__":
         assert ch.wait()[0][0] == FINISH
     td.barrier()
     td.destroy_process_group()
+    exit_now(0)  # skip the interpreter's teardown (see orbitrl.distributed.env)
