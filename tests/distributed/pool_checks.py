@@ -4,6 +4,7 @@ rank. Each check exits non-zero on a mismatch."""
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as td
@@ -103,23 +104,25 @@ def check_idle_beats(rank, ch, group):
 
     idle = Channel(td.new_group([0, 1], backend="gloo"), 1.0)
     silent = Channel(td.new_group([0, 1], backend="gloo"), 1.0)
+    store = td.distributed_c10d._get_default_store()
     if rank == 0:
         idle.beat_to([1])
         time.sleep(4.0)  # a long evaluation, say
         idle.close()
         idle.send_header(1, FINISH)
-        time.sleep(15.0)  # hung: alive and silent on ``silent``, far past its 1 s timeout
+        # hung: alive and silent on ``silent`` until rank 1 says it noticed (so what it
+        # noticed cannot be this process exiting)
+        store.wait(["noticed"], timedelta(seconds=120))
         return
     idle.listen(0)
     t0 = time.monotonic()
     assert idle.wait()[0][0] == FINISH
-    assert time.monotonic() - t0 > 3.0
+    assert time.monotonic() - t0 > 3.0  # the wait outlived 4 timeouts, kept alive by beats
     silent.listen(0)
-    t0 = time.monotonic()
     try:
         silent.wait()
     except RuntimeError as e:
-        assert time.monotonic() - t0 < 12.0, time.monotonic() - t0  # before the leader exits
+        store.set("noticed", "1")
         assert "timeout" in str(e).lower() or "timed out" in str(e).lower(), e
     else:
         raise AssertionError("a silent leader was not noticed")
