@@ -173,46 +173,55 @@ def test_bad_moe_config_one_line_error(hf_dirs, change, msg):
     assert "\n" not in str(e.value) and "x/config.json" in str(e.value)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("min_rows", [10 ** 9, 1])
-def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs, min_rows, monkeypatch):
+def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs, family, min_rows,
+                                                          monkeypatch):
     """load_model stacks plain CPU fp32 experts (moe.pack_experts): the stacked path, grouped
     (few rows per expert) or expert by expert (``FUSED_MIN_ROWS``), gives the loop's outputs
-    and gradients (input and every active expert's weights; none for the others), sees
-    in-place updates, and steps aside for good when a weight is re-allocated."""
+    and gradients (input, router weights and every active expert's weights; none for the
+    others), sees in-place updates, and steps aside for good when a weight is re-allocated.
+    Qwen3's experts are narrower than the model (router weights applied inside the stacked
+    backward), the tiny Mixtral's wider (applied to the output)."""
     monkeypatch.setattr(moe, "FUSED_MIN_ROWS", min_rows)
-    path, _ = hf_dirs["qwen3_moe"]
-    blk = orbitrl.load_model(path).train().model.layers[0].mlp
+    path, _ = hf_dirs[family]
+    layer = orbitrl.load_model(path).train().model.layers[0]
+    blk = getattr(layer, layer.ffn_name)
     for p in blk.parameters():
         p.requires_grad_(True)
+    E = len(blk.experts)
     x0 = torch.randn(12, 64, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        ids, w = moe.route(blk.gate(x0), blk.top_k, blk.norm)
-    ids[:, 0] = ids[:, 0] % 7  # expert 7 may be chosen in slot 1 only; keep one expert idle
-    ids[:, 1:] = torch.where(ids[:, 1:] == 7, 6 - ids[:, :1] % 2, ids[:, 1:])
-    ids[:, 1:] = torch.where(ids[:, 1:] == ids[:, :1], (ids[:, :1] + 1) % 7, ids[:, 1:])
+        ids, w0 = moe.route(blk.gate(x0), blk.top_k, blk.norm)
+    idle = E - 1  # chosen by no token
+    ids[:, 0] = ids[:, 0] % idle
+    ids[:, 1:] = torch.where(ids[:, 1:] == idle, idle - 1 - ids[:, :1] % 2, ids[:, 1:])
+    ids[:, 1:] = torch.where(ids[:, 1:] == ids[:, :1], (ids[:, :1] + 1) % idle, ids[:, 1:])
 
     def run(packed):
         blk.zero_grad()
-        x = x0.clone().requires_grad_()
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         out = moe.grouped_experts(x, ids, w, blk.experts, packed)
         (out * torch.linspace(-1, 1, 64)).sum().backward()
         grads = [None if p.grad is None else p.grad.clone() for p in blk.experts.parameters()]
-        return out.detach(), x.grad, grads
+        return out.detach(), x.grad, w.grad, grads
 
     packed = moe._packed_weights(blk)
     assert packed is not None
-    (a, ga, pa), (b, gb, pb) = run(packed), run(None)
+    (a, ga, wa, pa), (b, gb, wb, pb) = run(packed), run(None)
     assert (a - b).abs().max().item() < 1e-5 and (ga - gb).abs().max().item() < 1e-5
+    assert (wa - wb).abs().max().item() < 1e-5 and wa.abs().max().item() > 1e-3
     for u, v in zip(pa, pb):
         assert (u is None) == (v is None)
         assert u is None or (u - v).abs().max().item() < 1e-5
     assert any(u is None for u in pa)  # the idle expert got no gradient, as in the loop
     with torch.no_grad():
         for ex in blk.experts:  # as an optimizer step updates them: in place
-            ex.up_proj.weight.mul_(2)
-    (a2, _, _), (b2, _, _) = run(moe._packed_weights(blk)), run(None)
+            getattr(ex, ex.names[1]).weight.mul_(2)
+    (a2, *_), (b2, *_) = run(moe._packed_weights(blk)), run(None)
     assert (a2 - b2).abs().max().item() < 1e-5 and (a2 - a).abs().max().item() > 1e-3
-    wt = blk.experts[3].down_proj.weight
+    ex = blk.experts[1]
+    wt = getattr(ex, ex.names[2]).weight
     wt.data = wt.data.clone()
     assert moe._packed_weights(blk) is None and blk.packed is None
 

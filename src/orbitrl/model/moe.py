@@ -224,13 +224,19 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     pad = x.device.type == "cpu" and any(0 < c < ROW_FLOOR and row_count(c) != c
                                           for c in counts)
     padding = _padded_slots(token, counts) if pad else None
+    w = weights.reshape(-1).index_select(0, order)[:, None]
     if packed is not None:  # stacked weights (pack_experts): grouped GEMMs
         (gu, dn), weights_ = packed
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad
-                                                               for w in weights_)):
-            ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, *weights_)
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                        or any(p.requires_grad for p in weights_)):
+            if gu.shape[2] <= 2 * gu.shape[1]:  # expert width W <= H: w applied inside
+                ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, w, *weights_)
+            else:  # wider experts: the row scale is cheaper on the [S, H] output
+                ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, None,
+                                          *weights_) * w
         else:
-            ys = _packed_forward(x, token, counts, padding, gu, dn)
+            ys = _packed_forward(x, token, counts, padding, gu, dn).mul_(w)
+        return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
     else:
         if pad:
             token_p, keep, pcounts, _ = padding
@@ -243,7 +249,6 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if pcounts[e]])
         if pad:
             ys = ys.index_select(0, keep)
-    w = weights.reshape(-1).index_select(0, order)[:, None]
     ys = ys * w if torch.is_grad_enabled() else ys.mul_(w)
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
 
@@ -467,10 +472,12 @@ def _offsets(counts: list[int]) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
 
 
-def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
+def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False, w=None):
     """Every expert over its sorted rows from the stacked buffers (on the padded rows).
-    Returns ys [S, H] on the real rows and, when ``saved``, what the backward needs of the
-    real rows: the gathered input xs, the gate|up pre-activations a and silu(gate) sg.
+    Returns ys [S, H] on the real rows (each row scaled by ``w`` [S, 1] when given, in
+    place: a product is rounded alike wherever it is made) and, when ``saved``, what the
+    backward needs of the real rows: the gathered input xs, the gate|up pre-activations a
+    and silu(gate) sg.
 
     Few rows per expert: two grouped GEMMs over all experts (one call each). Many: expert by
     expert, gate|up GEMM, SiLU and down GEMM back to back, so the expert's [rows, 2W]
@@ -481,6 +488,7 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
     else:
         xs, c = _gather_padded(x, padding[0], padding), padding[2]
     W = gu.shape[2] // 2
+    scaled = False
     if _fused(c):
         S = xs.shape[0]
         ys = xs.new_empty(S, dn.shape[2])
@@ -495,7 +503,10 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
             ae = torch.mm(xs[rows], gu[e], out=a[rows]) if saved else xs[rows] @ gu[e]
             gate, up = ae.chunk(2, dim=-1)
             se = torch.ops.aten.silu.out(gate, out=sg[rows]) if saved else F.silu(gate)
-            torch.mm(se * up, dn[e], out=ys[rows])
+            ye = torch.mm(se * up, dn[e], out=ys[rows])
+            if w is not None and padding is None:
+                ye.mul_(w[rows])  # while the expert's rows are in cache
+                scaled = True
     else:
         offs = _offsets(c)
         a = torch._grouped_mm(xs, gu, offs=offs)  # [S, 2W]: gate | up
@@ -508,6 +519,8 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False):
         ys = ys.index_select(0, keep)
         if saved:
             xs, a, sg = (t.index_select(0, keep) for t in (xs, a, sg))
+    if w is not None and not scaled:
+        ys.mul_(w)
     return (ys, xs, a, sg) if saved else ys
 
 
@@ -522,29 +535,35 @@ def _fused(counts) -> bool:
 
 class _PackedExperts(torch.autograd.Function):
     """:func:`_packed_forward` with its backward, on the real rows (no padding: gradients
-    need no row invariance), grouped or expert by expert as the forward. Each active
-    expert's weight gradients come from one matmul per projection pair, into that expert's
-    own parameters (the buffers are not parameters: each expert's weights are views into
-    them). Two grouped GEMMs over all experts instead measured 2% slower at 16 tokens and
-    equal at 1k, with a gradient buffer for every expert (16 MB, fresh pages each step)."""
+    need no row invariance), grouped or expert by expert as the forward, each row scaled by
+    its router weight ``w`` [S, 1] inside when given (the backward then needs no [S, H]
+    copy of the unscaled ys, and its row-scale work is on [S, W] while the expert's rows are
+    in cache: with h = silu(gate) * up and g the incoming gradient, d w = rowsum((g dn^T) *
+    h), d h = w * (g dn^T), d dn = (w * h)^T g; for experts wider than the model, W > H,
+    scaling the [S, H] output outside costs less). Each active expert's weight gradients
+    come from one matmul per projection pair, into that expert's own parameters (the
+    buffers are not parameters: each expert's weights are views into them). Two grouped
+    GEMMs over all experts instead measured 2% slower at 16 tokens and equal at 1k, with a
+    gradient buffer for every expert (16 MB, fresh pages each step)."""
 
     @staticmethod
-    def forward(ctx, x, token, counts, padding, gu, dn, *weights):
-        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True)
-        ctx.save_for_backward(xs, a, sg, token)
+    def forward(ctx, x, token, counts, padding, gu, dn, w, *weights):
+        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True, w=w)
+        ctx.save_for_backward(xs, a, sg, token, w)
         ctx.counts, ctx.gu, ctx.dn, ctx.n = counts, gu, dn, x.shape[0]
         return ys
 
     @staticmethod
     def backward(ctx, gy):
-        xs, a, sg, token = ctx.saved_tensors
+        xs, a, sg, token, w = ctx.saved_tensors  # w None: scaled outside
         counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
         W = sg.shape[1]
         gy = gy.contiguous()
-        need = [bool(c) and any(ctx.needs_input_grad[6 + 3 * e:9 + 3 * e])
+        need = [bool(c) and any(ctx.needs_input_grad[7 + 3 * e:10 + 3 * e])
                 for e, c in enumerate(counts)]
         grads = [None] * (3 * len(counts))
-        want_x = ctx.needs_input_grad[0]
+        want_x, want_w = ctx.needs_input_grad[0], w is not None and ctx.needs_input_grad[6]
+        gw = w.new_empty(w.shape) if want_w else None
         ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
         if _fused(counts):  # expert by expert, as the forward
             gxs = xs.new_empty(xs.shape) if want_x else None
@@ -555,24 +574,36 @@ class _PackedExperts(torch.autograd.Function):
                 rows = slice(start, start + c)
                 start += c
                 gye, gae = gy[rows], ga[rows]
-                ghe = gye @ dn[e].t()
+                ghe = gye @ dn[e].t()  # d h before the router weight
                 gate, up = a[rows].chunk(2, dim=-1)
+                he = sg[rows] * up if want_w or need[e] else None
+                if want_w:
+                    torch.sum(ghe * he, dim=1, keepdim=True, out=gw[rows])
+                if w is not None:
+                    ghe.mul_(w[rows])
                 torch.ops.aten.silu_backward.grad_input(ghe * up, gate, grad_input=gae[:, :W])
                 torch.mul(ghe, sg[rows], out=gae[:, W:])
                 if want_x:
                     torch.mm(gae, gu[e].t(), out=gxs[rows])
                 if need[e]:
                     g_a = gae.t() @ xs[rows]
-                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], \
-                        ((sg[rows] * up).t() @ gye).t()
+                    if w is not None:
+                        he.mul_(w[rows])
+                    grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (he.t() @ gye).t()
         else:
             offs = _offsets(counts)
             gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
             gate, up = a.chunk(2, dim=-1)
+            h = sg * up
+            if want_w:
+                gw = (gh * h).sum(dim=1, keepdim=True)
+            if w is not None:
+                gh.mul_(w)
+                h.mul_(w)
             torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
             torch.mul(gh, sg, out=ga[:, W:])
             gxs = torch._grouped_mm(ga, gu.transpose(1, 2), offs=offs) if want_x else None
-            parts = zip(ga.split(counts), xs.split(counts), (sg * up).split(counts),
+            parts = zip(ga.split(counts), xs.split(counts), h.split(counts),
                         gy.split(counts))
             for e, (gae, xse, he, gye) in enumerate(parts):  # weight gradients
                 if need[e]:
@@ -584,7 +615,7 @@ class _PackedExperts(torch.autograd.Function):
         gx = None
         if want_x:
             gx = gxs.new_zeros(ctx.n, gxs.shape[1]).index_add_(0, token, gxs)
-        return (gx, None, None, None, None, None, *grads)
+        return (gx, None, None, None, None, None, gw, *grads)
 
 
 def make_ffn(cfg, layer_idx: int, dense_factory):
