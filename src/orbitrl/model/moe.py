@@ -229,11 +229,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         (gu, dn), weights_ = packed
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
                                         or any(p.requires_grad for p in weights_)):
-            if gu.shape[2] <= 2 * gu.shape[1]:  # expert width W <= H: w applied inside
-                ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, w, *weights_)
-            else:  # wider experts: the row scale is cheaper on the [S, H] output
-                ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, None,
-                                          *weights_) * w
+            ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, w, *weights_)
         else:
             ys = _packed_forward(x, token, counts, padding, gu, dn).mul_(w)
         return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
@@ -536,33 +532,37 @@ def _fused(counts) -> bool:
 class _PackedExperts(torch.autograd.Function):
     """:func:`_packed_forward` with its backward, on the real rows (no padding: gradients
     need no row invariance), grouped or expert by expert as the forward, each row scaled by
-    its router weight ``w`` [S, 1] inside when given (the backward then needs no [S, H]
+    its router weight ``w`` [S, 1] inside (where W <= H the backward then needs no [S, H]
     copy of the unscaled ys, and its row-scale work is on [S, W] while the expert's rows are
     in cache: with h = silu(gate) * up and g the incoming gradient, d w = rowsum((g dn^T) *
     h), d h = w * (g dn^T), d dn = (w * h)^T g; for experts wider than the model, W > H,
-    scaling the [S, H] output outside costs less). Each active expert's weight gradients
-    come from one matmul per projection pair, into that expert's own parameters (the
-    buffers are not parameters: each expert's weights are views into them). Two grouped
-    GEMMs over all experts instead measured 2% slower at 16 tokens and equal at 1k, with a
-    gradient buffer for every expert (16 MB, fresh pages each step)."""
+    the [S, H] output is scaled instead, kept unscaled for d w = rowsum(g * ys), and g
+    scaled per expert in cache). Each active expert's weight gradients come from one
+    matmul per projection pair, into that expert's own parameters (the buffers are not
+    parameters: each expert's weights are views into them). Two grouped GEMMs over all
+    experts instead measured 2% slower at 16 tokens and equal at 1k, with a gradient buffer
+    for every expert (16 MB, fresh pages each step)."""
 
     @staticmethod
     def forward(ctx, x, token, counts, padding, gu, dn, w, *weights):
-        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True, w=w)
-        ctx.save_for_backward(xs, a, sg, token, w)
+        at_out = gu.shape[2] > 2 * gu.shape[1]  # W > H: scale the output, keep it unscaled
+        ys, xs, a, sg = _packed_forward(x, token, counts, padding, gu, dn, saved=True,
+                                        w=None if at_out else w)
+        ctx.save_for_backward(xs, a, sg, token, w, ys if at_out else None)
         ctx.counts, ctx.gu, ctx.dn, ctx.n = counts, gu, dn, x.shape[0]
-        return ys
+        return ys * w if at_out else ys
 
     @staticmethod
     def backward(ctx, gy):
-        xs, a, sg, token, w = ctx.saved_tensors  # w None: scaled outside
+        xs, a, sg, token, w, ys = ctx.saved_tensors  # ys: the unscaled output (W > H)
         counts, gu, dn = ctx.counts, ctx.gu, ctx.dn
         W = sg.shape[1]
         gy = gy.contiguous()
         need = [bool(c) and any(ctx.needs_input_grad[7 + 3 * e:10 + 3 * e])
                 for e, c in enumerate(counts)]
         grads = [None] * (3 * len(counts))
-        want_x, want_w = ctx.needs_input_grad[0], w is not None and ctx.needs_input_grad[6]
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[6]
+        at_out = ys is not None
         gw = w.new_empty(w.shape) if want_w else None
         ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
         if _fused(counts):  # expert by expert, as the forward
@@ -574,12 +574,16 @@ class _PackedExperts(torch.autograd.Function):
                 rows = slice(start, start + c)
                 start += c
                 gye, gae = gy[rows], ga[rows]
-                ghe = gye @ dn[e].t()  # d h before the router weight
+                if at_out:
+                    if want_w:
+                        torch.sum(gye * ys[rows], dim=1, keepdim=True, out=gw[rows])
+                    gye = gye * w[rows]
+                ghe = gye @ dn[e].t()  # d h (before the router weight unless at_out)
                 gate, up = a[rows].chunk(2, dim=-1)
-                he = sg[rows] * up if want_w or need[e] else None
-                if want_w:
-                    torch.sum(ghe * he, dim=1, keepdim=True, out=gw[rows])
-                if w is not None:
+                he = sg[rows] * up if (want_w and not at_out) or need[e] else None
+                if not at_out:
+                    if want_w:
+                        torch.sum(ghe * he, dim=1, keepdim=True, out=gw[rows])
                     ghe.mul_(w[rows])
                 torch.ops.aten.silu_backward.grad_input(ghe * up, gate, grad_input=gae[:, :W])
                 torch.mul(ghe, sg[rows], out=gae[:, W:])
@@ -587,17 +591,21 @@ class _PackedExperts(torch.autograd.Function):
                     torch.mm(gae, gu[e].t(), out=gxs[rows])
                 if need[e]:
                     g_a = gae.t() @ xs[rows]
-                    if w is not None:
+                    if not at_out:
                         he.mul_(w[rows])
                     grads[3 * e:3 * e + 3] = g_a[:W], g_a[W:], (he.t() @ gye).t()
         else:
             offs = _offsets(counts)
+            if at_out:
+                if want_w:
+                    gw = (gy * ys).sum(dim=1, keepdim=True)
+                gy = gy * w
             gh = torch._grouped_mm(gy, dn.transpose(1, 2), offs=offs)  # [S, W]
             gate, up = a.chunk(2, dim=-1)
             h = sg * up
-            if want_w:
-                gw = (gh * h).sum(dim=1, keepdim=True)
-            if w is not None:
+            if not at_out:
+                if want_w:
+                    gw = (gh * h).sum(dim=1, keepdim=True)
                 gh.mul_(w)
                 h.mul_(w)
             torch.ops.aten.silu_backward.grad_input(gh * up, gate, grad_input=ga[:, :W])
