@@ -6,8 +6,7 @@ import torch
 
 from orbitrl.config import load_config
 from orbitrl.errors import OrbitError
-from orbitrl.rl.run import load_data
-from orbitrl.rl.trainer import RLTrainer
+from trainer_helpers import make_trainer
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
          "data.heldout_size=8", "model.base_dtype=int8", "log.align_every=2",
@@ -15,9 +14,7 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
 
 
 def make(*over):
-    cfg = load_config(None, SMALL + list(over))
-    train, held = load_data(cfg)
-    return RLTrainer(cfg, train, held)
+    return make_trainer(*SMALL, *over)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -8,9 +8,8 @@ import torch
 import orbitrl.rl.update as update_mod
 from orbitrl.config import load_config
 from orbitrl.rl.parallel import Workers, resolve_workers, split_parts
-from orbitrl.rl.run import load_data
-from orbitrl.rl.trainer import RLTrainer
 from orbitrl.rl.types import Sample
+from trainer_helpers import make_trainer
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=4",
          "data.heldout_size=8", "model.base_dtype=int8", "model.device=cpu",
@@ -18,9 +17,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_tokens=4",
 
 
 def make(*over):
-    cfg = load_config(None, SMALL + list(over))
-    train, held = load_data(cfg)
-    return RLTrainer(cfg, train, held)
+    return make_trainer(*SMALL, *over)
 
 
 def sample(group, n_prompt, n_completion):

@@ -14,9 +14,8 @@ from orbitrl.rewards import register
 from orbitrl.rl.anchors import Anchors
 from orbitrl.rl.batch import pack, score
 from orbitrl.rl.policy import build_policy, load_base, place_on_tiers
-from orbitrl.rl.run import load_data
-from orbitrl.rl.trainer import RLTrainer
 from orbitrl.rl.types import Sample
+from trainer_helpers import make_trainer
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
          "data.heldout_size=8", "reward.name=test_length_tiers", "train.lr=1e-3"]
@@ -28,9 +27,7 @@ def _length(prompt, completion, **f):
 
 
 def make(*over):
-    cfg = load_config(None, SMALL + list(over))
-    train, held = load_data(cfg)
-    return RLTrainer(cfg, train, held)
+    return make_trainer(*SMALL, *over)
 
 
 def _samples():

@@ -7,8 +7,7 @@ import torch
 
 from orbitrl.config import load_config
 from orbitrl.rewards import register
-from orbitrl.rl.run import load_data
-from orbitrl.rl.trainer import RLTrainer
+from trainer_helpers import make_trainer
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4",
          "data.heldout_size=8", "algo.check=true", "model.base_dtype=int8"]
@@ -25,9 +24,7 @@ def _length(prompt, completion, **f):
 
 
 def make(*over):
-    cfg = load_config(None, SMALL + list(over))
-    train, held = load_data(cfg)
-    return RLTrainer(cfg, train, held)
+    return make_trainer(*SMALL, *over)
 
 
 def adapters(tr):

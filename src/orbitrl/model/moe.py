@@ -490,12 +490,7 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False, w=No
         ys = xs.new_empty(S, dn.shape[2])
         a = xs.new_empty(S, 2 * W) if saved else None
         sg = xs.new_empty(S, W) if saved else None
-        start = 0
-        for e, n in enumerate(c):
-            if not n:
-                continue
-            rows = slice(start, start + n)
-            start += n
+        for e, rows in _expert_rows(c):
             ae = torch.mm(xs[rows], gu[e], out=a[rows]) if saved else xs[rows] @ gu[e]
             gate, up = ae.chunk(2, dim=-1)
             se = torch.ops.aten.silu.out(gate, out=sg[rows]) if saved else F.silu(gate)
@@ -518,6 +513,15 @@ def _packed_forward(x, token, counts, padding, gu, dn, saved: bool = False, w=No
     if w is not None and not scaled:
         ys.mul_(w)
     return (ys, xs, a, sg) if saved else ys
+
+
+def _expert_rows(counts):
+    """(expert, its slice of the sorted rows) for each expert with rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+            start += n
 
 
 # rows per active expert from which the experts run one by one rather than grouped
@@ -567,12 +571,7 @@ class _PackedExperts(torch.autograd.Function):
         ga = torch.empty_like(a)  # d gate | d up, written in place (no concatenation)
         if _fused(counts):  # expert by expert, as the forward
             gxs = xs.new_empty(xs.shape) if want_x else None
-            start = 0
-            for e, c in enumerate(counts):
-                if not c:
-                    continue
-                rows = slice(start, start + c)
-                start += c
+            for e, rows in _expert_rows(counts):
                 gye, gae = gy[rows], ga[rows]
                 if at_out:
                     if want_w:

@@ -126,7 +126,7 @@ class TurnLoop:
         self.syntax = syntax_of(self.ecfg)  # observations are cut and their markers escaped
         limit = self.ecfg.max_total_tokens or engine.max_model_len
         self.max_total = min(limit, engine.max_model_len - 1)
-        self.calls = EnvCalls(self.ecfg.time_limit_s, self.ecfg.workers)  # workers persist
+        self.calls = EnvCalls(cfg.env.time_limit_s, cfg.env.workers)  # workers persist
 
     def run(self, rows: list[dict], params: SamplingParams, seed: int, first: int = 0,
             deadline_s: float | None = None) -> tuple[list[Trajectory], dict]:
