@@ -1,5 +1,3 @@
-import sys
+from orbitrl.cli import entry
 
-from orbitrl.cli import main
-
-sys.exit(main())
+entry()

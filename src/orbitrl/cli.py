@@ -44,18 +44,50 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        code = int(args._module.run(args) or 0)
+        return int(args._module.run(args) or 0)
     except OrbitError as e:
         print(f"orbitrl {args.command}: error: {e}", file=sys.stderr)
-        code = 2
+        return 2
     except KeyboardInterrupt:
         print(f"orbitrl {args.command}: interrupted", file=sys.stderr)
-        code = 130
+        return 130
+
+
+def entry():
+    """The console script and ``python -m orbitrl``: :func:`main`, and its exit code. A
+    rank of a torchrun launch (a process that created a process group) leaves through
+    ``distributed.env.exit_now`` whichever way the command ended (see there)."""
+    try:
+        code = main()
+    except BaseException as e:
+        if _rank_env() is None:
+            raise
+        code = _exit_code(e)
+    dist_env = _rank_env()
+    if dist_env is not None:
+        dist_env.exit_now(code)
+    sys.exit(code)
+
+
+def _rank_env():
+    """``orbitrl.distributed.env`` when this process created a process group, else None."""
     dist_env = sys.modules.get("orbitrl.distributed.env")
-    if argv is None and dist_env is not None and dist_env.joined_group():
-        dist_env.exit_now(code)  # a rank of a torchrun launch: skip the teardown (see there)
-    return code
+    return dist_env if dist_env is not None and dist_env.joined_group() else None
+
+
+def _exit_code(e: BaseException) -> int:
+    """The status the interpreter would exit with for ``e`` (a traceback printed for an
+    error, as it would print it)."""
+    if isinstance(e, SystemExit):
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        print(e.code, file=sys.stderr)
+        return 1
+    import traceback
+
+    traceback.print_exception(e)
+    return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

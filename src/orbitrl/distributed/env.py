@@ -196,19 +196,24 @@ def joined_group() -> bool:
 
 
 def exit_now(code: int):
-    """End a process that ran collectives: exit handlers run and the streams are flushed,
-    then the process exits without the interpreter's teardown.
+    """End a process that ran collectives as the interpreter would (its non-daemon threads
+    joined, e.g. a checkpoint write in flight; exit handlers run; the streams flushed), then
+    exit without the interpreter's teardown.
 
     gloo's worker threads can outlive ``destroy_process_group`` and be torn down with the
     interpreter, which then aborts now and then ("terminate called without an active
     exception", status -6) after a run that finished cleanly: seen now and then on one rank
-    of the test suite's 2-rank runs. Nothing the teardown would do is needed once the exit
-    handlers ran.
+    of the test suite's 2-rank runs. What the teardown does after the steps above (freeing
+    objects) is not needed.
     """
     import atexit
     import sys
+    import threading
 
     try:
+        shutdown_threads = getattr(threading, "_shutdown", None)  # what exit itself calls
+        if shutdown_threads is not None:
+            shutdown_threads()
         atexit._run_exitfuncs()
     finally:
         for f in (sys.stdout, sys.stderr):
