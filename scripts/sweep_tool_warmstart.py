@@ -20,26 +20,11 @@ import time
 
 import torch
 
-from orbitrl.commands.eval import _task_env
+from orbitrl.commands.eval import task_scorer
 from orbitrl.data.datasets import task_rows
-from orbitrl.engine import Engine
 from orbitrl.model import load_model, load_tokenizer
 from orbitrl.model.builtin import resolve_model_path
-from orbitrl.model.tokenizer import encode_prompt
-from orbitrl.rl.evaluate import Evaluator, tool_summary
-from orbitrl.rl.trajectory import trajectories_fn
 from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft
-
-
-def heldout(model, tok, rows, env_cfg) -> tuple[float, float]:
-    """(completion rate, correct-call rate) of greedy trajectories over ``rows``."""
-    engine = Engine(model, tok)
-    encode = lambda t: encode_prompt(tok, t, False)  # noqa: E731
-    ev = Evaluator(engine, encode, env_cfg.data, env_cfg.rollout.max_tokens,
-                   trajectories=trajectories_fn(engine, tok, encode, env_cfg))
-    acc, records = ev.run(rows, "exact_match")
-    return acc, tool_summary(records)["tool_correct_rate"]
-
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,14 +43,13 @@ if __name__ == "__main__":
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     path = resolve_model_path(a.model)
-    env_cfg = _task_env("tool_arith", argparse.Namespace(max_tokens=12))
-    held = task_rows("tool_arith", "heldout", a.heldout)
     print("steps lr problems seed | at loss heldout correct_calls | sft_s")
     for steps, lr, probs, seed in itertools.product(a.steps, a.lr, a.problems, a.seeds):
         torch.manual_seed(seed)
         model = load_model(path)
         tok = load_tokenizer(path, model.config.vocab_size)
         pairs = encode_pairs(tok, task_rows("tool_arith", "sft", probs or None))
+        score = task_scorer("tool_arith", tok, a.heldout, max_tokens=12)
         cfg = SFTConfig(lr=lr, steps=steps, batch_size=a.batch_size, seed=seed)
         marks = set(range(a.every, steps, a.every)) if a.every else set()
         spent = [0.0, time.process_time()]
@@ -74,7 +58,8 @@ if __name__ == "__main__":
             if step + 1 in marks or step + 1 == steps:
                 spent[0] += time.process_time() - spent[1]
                 model.eval()
-                acc, hits = heldout(model, tok, held, env_cfg)
+                acc, tools = score(model)
+                hits = tools["tool_correct_rate"]
                 model.train()
                 print(f"{steps} {lr:g} {probs or 4000} {seed} | {step + 1} {loss:.4f} "
                       f"{acc:.3f} {hits:.3f} | {spent[0]:.0f}", flush=True)

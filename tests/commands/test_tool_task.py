@@ -86,3 +86,35 @@ def test_sft_limit_takes_the_first_problems(tmp_path, monkeypatch, capsys):
     assert len(seen["pairs"]) == 10 == len(tool_rows("sft", 5))
     assert main(["sft", "--task", "tool_arith", "--limit", "-1", "--out", str(tmp_path)]) == 2
     assert "--limit -1" in capsys.readouterr().err
+
+
+def test_sft_stops_at_a_held_out_accuracy(tmp_path, capsys):
+    """``--eval-every N --stop-at ACC``: the held-out rows are scored every N steps as
+    ``orbitrl eval --task`` scores them, and the warm start ends (and is saved) at the first
+    evaluation that reaches ACC."""
+    from orbitrl.commands.eval import task_scorer
+    from orbitrl.model import load_model, load_tokenizer
+
+    out = tmp_path / "m"
+    assert main(["sft", "--task", "tool_arith", "--steps", "6", "--batch-size", "4",
+                 "--eval-every", "2", "--stop-at", "0", "--heldout", "6",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "sft step 2: loss" in err and "sft step 4" not in err
+    line = [ln for ln in err.splitlines() if ln.startswith("sft step 2")][0]
+    acc = float(line.split("held-out accuracy ")[1].split(",")[0])
+    model = load_model(out)
+    got, tools = task_scorer("tool_arith", load_tokenizer(out, model.config.vocab_size), 6)(
+        model)
+    assert abs(got - acc) < 1e-9 and tools is not None  # the saved model is the one scored
+    assert main(["sft", "--task", "arith", "--steps", "4", "--batch-size", "4",
+                 "--eval-every", "2", "--stop-at", "1.01", "--heldout", "4",
+                 "--out", str(tmp_path / "n")]) == 0
+    err = capsys.readouterr().err
+    assert "sft step 2" in err and "sft step 4" in err  # never reached: the whole schedule
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for bad, msg in ((["--data", str(data), "--eval-every", "2"], "--eval-every: needs --task"),
+                     (["--stop-at", "0.5"], "--stop-at: needs --eval-every")):
+        assert main(["sft", *bad, "--out", str(tmp_path / "x")]) == 2
+        assert msg in capsys.readouterr().err

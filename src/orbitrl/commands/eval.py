@@ -121,6 +121,38 @@ def _load(model_path, adapter):
     return model, tok, path
 
 
+def task_scorer(task: str, tok, limit: int, max_tokens: int = 8):
+    """``score(model) -> (accuracy, tool summary or None)``: greedy ``model`` on the first
+    ``limit`` held-out rows of built-in ``task``, encoded, capped and scored as ``orbitrl
+    eval --task`` does (a multi-turn task's rows as trajectories)."""
+    from types import SimpleNamespace
+
+    from orbitrl.data.datasets import TASK_REWARDS, task_rows
+    from orbitrl.engine import Engine
+    from orbitrl.model.tokenizer import encode_prompt
+    from orbitrl.rewards import RewardRunner
+    from orbitrl.rl.evaluate import Evaluator, tool_summary
+
+    rows = task_rows(task, "heldout", limit or None)
+    runner = RewardRunner([TASK_REWARDS.get(task, "exact_match")], timeout_s=None)
+    env_cfg = _task_env(task, SimpleNamespace(max_tokens=max_tokens))
+    data = SimpleNamespace(prompt_field="prompt", answer_field="answer", chat_template=False)
+    encode = lambda t: encode_prompt(tok, t, False)  # noqa: E731
+
+    def score(model):
+        engine = Engine(model, tok)
+        turns = None
+        if env_cfg is not None:
+            from orbitrl.rl.trajectory import trajectories_fn
+
+            turns = trajectories_fn(engine, tok, encode, env_cfg)
+        acc, records = Evaluator(engine, encode, data, max_tokens, trajectories=turns).run(
+            rows, runner)
+        return acc, tool_summary(records)
+
+    return score
+
+
 def _task_env(task, args):
     """A multi-turn built-in task's run config (its ``env`` section), else None."""
     if task != "tool_arith":

@@ -22,6 +22,15 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (0: torch's default; one is fastest for small "
                         "models on a shared machine)")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="with --task: greedy held-out accuracy every N steps (as "
+                        "`orbitrl eval --task` scores it); 0: never")
+    parser.add_argument("--stop-at", type=float, default=None, metavar="ACC",
+                        help="with --eval-every: end the warm start at the first evaluation "
+                        "whose held-out accuracy is at least ACC (a level that leaves RL "
+                        "something to learn, whatever the seed or CPU)")
+    parser.add_argument("--heldout", type=int, default=200,
+                        help="held-out rows each evaluation scores (0: all)")
     parser.add_argument("--out", required=True, help="output model directory")
 
 
@@ -37,6 +46,12 @@ def run(args) -> int:
 
     if args.limit < 0:
         raise OrbitError(f"--limit {args.limit}: must be >= 0 (0: every row)")
+    if args.eval_every < 0 or args.heldout < 0:
+        raise OrbitError("--eval-every and --heldout: must be >= 0")
+    if args.eval_every and args.data:
+        raise OrbitError("--eval-every: needs --task (the held-out rows of a built-in task)")
+    if args.stop_at is not None and not args.eval_every:
+        raise OrbitError("--stop-at: needs --eval-every N (when to evaluate)")
     torch.manual_seed(args.seed)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -49,15 +64,36 @@ def run(args) -> int:
     else:
         rows = task_rows(args.task or "arith", "sft", args.limit or None)
     pairs = encode_pairs(tok, rows, args.prompt_field, args.answer_field)
+    score = None
+    if args.eval_every:
+        from orbitrl.commands.eval import task_scorer
+
+        score = task_scorer(args.task or "arith", tok, args.heldout)
     bar = tqdm(total=args.steps, desc="sft", unit="step", file=sys.stderr)
+    reached = []
 
     def progress(step, loss):
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
+        if score is None or (step + 1) % args.eval_every and step + 1 < args.steps:
+            return False
+        model.eval()
+        acc, tools = score(model)
+        model.train()
+        calls = ("" if tools is None else
+                 f", tool called correctly {tools['tool_correct_rate']:.1%}")
+        bar.write(f"sft step {step + 1}: loss {loss:.4f}, held-out accuracy {acc:.3f}{calls}",
+                  file=sys.stderr)
+        if args.stop_at is not None and acc >= args.stop_at:
+            reached.append((step + 1, acc))
+            return True
+        return False
 
     cfg = SFTConfig(lr=args.lr, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     losses = train_sft(model, pairs, cfg, progress)
     bar.close()
     save_pretrained(model, args.out, tokenizer=tok)
-    print(f"sft: {args.steps} steps, final loss {losses[-1]:.4f}, wrote {args.out}")
+    stopped = (f" (stopped: held-out accuracy {reached[0][1]:.3f} >= --stop-at "
+               f"{args.stop_at:g})" if reached else "")
+    print(f"sft: {len(losses)} steps{stopped}, final loss {losses[-1]:.4f}, wrote {args.out}")
     return 0

@@ -69,7 +69,8 @@ def sft_loss(model: Decoder, batch: list[tuple[list[int], list[int]]]) -> torch.
 def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None, start: int = 0,
               stop: int | None = None) -> list[float]:
     """AdamW with warmup + cosine decay over ``cfg.steps``; runs steps [start, stop) of that
-    schedule (so a caller can evaluate between segments); returns the loss per step."""
+    schedule (so a caller can evaluate between segments); returns the loss per step.
+    ``progress(step, loss)`` runs after each step; a true return ends the run there."""
     rng = random.Random(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -88,7 +89,7 @@ def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None, start: int =
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         losses.append(loss.item())
-        if progress is not None:
-            progress(step, loss.item())
+        if progress is not None and progress(step, losses[-1]):
+            break
     model.eval()
     return losses
