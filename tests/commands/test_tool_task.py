@@ -108,13 +108,14 @@ def test_sft_stops_at_a_held_out_accuracy(tmp_path, capsys):
         model)
     assert abs(got - acc) < 1e-9 and tools is not None  # the saved model is the one scored
     assert main(["sft", "--task", "arith", "--steps", "4", "--batch-size", "4",
-                 "--eval-every", "2", "--stop-at", "1.01", "--heldout", "4",
+                 "--eval-every", "2", "--stop-at", "1", "--heldout", "4",
                  "--out", str(tmp_path / "n")]) == 0
     err = capsys.readouterr().err
     assert "sft step 2" in err and "sft step 4" in err  # never reached: the whole schedule
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     for bad, msg in ((["--data", str(data), "--eval-every", "2"], "--eval-every: needs --task"),
-                     (["--stop-at", "0.5"], "--stop-at: needs --eval-every")):
+                     (["--stop-at", "0.5"], "--stop-at: needs --eval-every"),
+                     (["--eval-every", "2", "--stop-at", "30"], "between 0 and 1")):
         assert main(["sft", *bad, "--out", str(tmp_path / "x")]) == 2
         assert msg in capsys.readouterr().err

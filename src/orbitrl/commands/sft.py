@@ -52,6 +52,8 @@ def run(args) -> int:
         raise OrbitError("--eval-every: needs --task (the held-out rows of a built-in task)")
     if args.stop_at is not None and not args.eval_every:
         raise OrbitError("--stop-at: needs --eval-every N (when to evaluate)")
+    if args.stop_at is not None and not 0 <= args.stop_at <= 1:
+        raise OrbitError(f"--stop-at {args.stop_at:g}: an accuracy, between 0 and 1")
     torch.manual_seed(args.seed)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
