@@ -72,7 +72,7 @@ def run(args) -> int:
 
         score = task_scorer(args.task or "arith", tok, args.heldout)
     bar = tqdm(total=args.steps, desc="sft", unit="step", file=sys.stderr)
-    reached = []
+    reached = []  # the accuracy that ended the warm start
 
     def progress(step, loss):
         bar.update(1)
@@ -87,7 +87,7 @@ def run(args) -> int:
         bar.write(f"sft step {step + 1}: loss {loss:.4f}, held-out accuracy {acc:.3f}{calls}",
                   file=sys.stderr)
         if args.stop_at is not None and acc >= args.stop_at:
-            reached.append((step + 1, acc))
+            reached.append(acc)
             return True
         return False
 
@@ -95,7 +95,7 @@ def run(args) -> int:
     losses = train_sft(model, pairs, cfg, progress)
     bar.close()
     save_pretrained(model, args.out, tokenizer=tok)
-    stopped = (f" (stopped: held-out accuracy {reached[0][1]:.3f} >= --stop-at "
+    stopped = (f" (stopped: held-out accuracy {reached[0]:.3f} >= --stop-at "
                f"{args.stop_at:g})" if reached else "")
     print(f"sft: {len(losses)} steps{stopped}, final loss {losses[-1]:.4f}, wrote {args.out}")
     return 0
