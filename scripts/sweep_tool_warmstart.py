@@ -49,7 +49,7 @@ if __name__ == "__main__":
         model = load_model(path)
         tok = load_tokenizer(path, model.config.vocab_size)
         pairs = encode_pairs(tok, task_rows("tool_arith", "sft", probs or None))
-        score = task_scorer("tool_arith", tok, a.heldout, max_tokens=12)
+        score = task_scorer("tool_arith", model, tok, a.heldout, max_tokens=12)
         cfg = SFTConfig(lr=lr, steps=steps, batch_size=a.batch_size, seed=seed)
         marks = set(range(a.every, steps, a.every)) if a.every else set()
         spent = [0.0, time.process_time()]
@@ -58,7 +58,7 @@ if __name__ == "__main__":
             if step + 1 in marks or step + 1 == steps:
                 spent[0] += time.process_time() - spent[1]
                 model.eval()
-                acc, tools = score(model)
+                acc, tools = score()
                 hits = tools["tool_correct_rate"]
                 model.train()
                 print(f"{steps} {lr:g} {probs or 4000} {seed} | {step + 1} {loss:.4f} "

@@ -104,8 +104,8 @@ def test_sft_stops_at_a_held_out_accuracy(tmp_path, capsys):
     line = [ln for ln in err.splitlines() if ln.startswith("sft step 2")][0]
     acc = float(line.split("held-out accuracy ")[1].split(",")[0])
     model = load_model(out)
-    got, tools = task_scorer("tool_arith", load_tokenizer(out, model.config.vocab_size), 6)(
-        model)
+    got, tools = task_scorer("tool_arith", model, load_tokenizer(out, model.config.vocab_size),
+                             6)()
     assert abs(got - acc) < 1e-9 and tools is not None  # the saved model is the one scored
     assert main(["sft", "--task", "arith", "--steps", "4", "--batch-size", "4",
                  "--eval-every", "2", "--stop-at", "1", "--heldout", "4",

@@ -121,10 +121,12 @@ def _load(model_path, adapter):
     return model, tok, path
 
 
-def task_scorer(task: str, tok, limit: int, max_tokens: int = 8):
-    """``score(model) -> (accuracy, tool summary or None)``: greedy ``model`` on the first
-    ``limit`` held-out rows of built-in ``task``, encoded, capped and scored as ``orbitrl
-    eval --task`` does (a multi-turn task's rows as trajectories)."""
+def task_scorer(task: str, model, tok, limit: int, max_tokens: int = 8):
+    """``score() -> (accuracy, tool summary or None)``: greedy ``model`` (as it is at each
+    call: one engine runs its modules, and starts each batch without the cached prefixes of
+    earlier weights) on the first ``limit`` held-out rows of built-in ``task``, encoded,
+    capped and scored as ``orbitrl eval --task`` does (a multi-turn task's rows as
+    trajectories)."""
     from types import SimpleNamespace
 
     from orbitrl.data.datasets import TASK_REWARDS, task_rows
@@ -138,16 +140,16 @@ def task_scorer(task: str, tok, limit: int, max_tokens: int = 8):
     env_cfg = _task_env(task, SimpleNamespace(max_tokens=max_tokens))
     data = SimpleNamespace(prompt_field="prompt", answer_field="answer", chat_template=False)
     encode = lambda t: encode_prompt(tok, t, False)  # noqa: E731
+    engine = Engine(model, tok)  # made once: a KV pool is hundreds of MB to zero
+    turns = None
+    if env_cfg is not None:
+        from orbitrl.rl.trajectory import trajectories_fn
 
-    def score(model):
-        engine = Engine(model, tok)
-        turns = None
-        if env_cfg is not None:
-            from orbitrl.rl.trajectory import trajectories_fn
+        turns = trajectories_fn(engine, tok, encode, env_cfg)
+    evaluator = Evaluator(engine, encode, data, max_tokens, trajectories=turns)
 
-            turns = trajectories_fn(engine, tok, encode, env_cfg)
-        acc, records = Evaluator(engine, encode, data, max_tokens, trajectories=turns).run(
-            rows, runner)
+    def score():
+        acc, records = evaluator.run(rows, runner)
         return acc, tool_summary(records)
 
     return score

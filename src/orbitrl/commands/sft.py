@@ -70,7 +70,7 @@ def run(args) -> int:
     if args.eval_every:
         from orbitrl.commands.eval import task_scorer
 
-        score = task_scorer(args.task or "arith", tok, args.heldout)
+        score = task_scorer(args.task or "arith", model, tok, args.heldout)
     bar = tqdm(total=args.steps, desc="sft", unit="step", file=sys.stderr)
     reached = []  # the accuracy that ended the warm start
 
@@ -80,7 +80,7 @@ def run(args) -> int:
         if score is None or (step + 1) % args.eval_every and step + 1 < args.steps:
             return False
         model.eval()
-        acc, tools = score(model)
+        acc, tools = score()
         model.train()
         calls = ("" if tools is None else
                  f", tool called correctly {tools['tool_correct_rate']:.1%}")
