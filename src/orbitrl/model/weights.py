@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -107,6 +108,28 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor | nn.Module):
         mod._parameters[leaf] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
 
 
+_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+          "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def empty_modules():
+    """Build modules on the meta device without running their initialisers (every weight
+    is assigned from a checkpoint next). ``nn.Linear`` and ``nn.Embedding`` initialise
+    in their constructors; on the meta device ``normal_`` goes through torch's reference
+    implementations, whose first call imports ``torch._dynamo``: 1.1 s of every command's
+    start-up, measured."""
+    saved = {n: getattr(nn.init, n) for n in _INITS}
+    try:
+        for n in _INITS:
+            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
                group_size: Optional[int] = None) -> Decoder:
@@ -135,7 +158,7 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         kw = {} if group_size is None else {"group_size": group_size}
         on_tensor = quant.quantizing_hook(base_format, then=on_tensor, **kw)
     cfg = ModelConfig.from_dir(path)
-    with torch.device("meta"):
+    with empty_modules():
         model = Decoder(cfg)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed
     replaced: set[str] = set()

@@ -37,7 +37,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.quant import leaf_tensors
-from orbitrl.model.weights import hf_to_ours, to_dtype, weight_files
+from orbitrl.model.weights import empty_modules, hf_to_ours, to_dtype, weight_files
 
 _LAYER_PREFIX = "model.layers."
 
@@ -374,7 +374,7 @@ class LayerResidency:
         """
         path, dtype = Path(path), to_dtype(dtype)
         cfg = ModelConfig.from_dir(path)
-        with torch.device("meta"):
+        with empty_modules():
             model = Decoder(cfg)
         expected = {n: p for n, p in model.named_parameters()}
         disk: dict[int, dict] = {i: {} for i in range(cfg.num_layers)}
