@@ -105,7 +105,7 @@ def _reset_rss_peak() -> bool:
 class MemoryProbe:
     """Net peak bytes of a phase; construct it just before the model is loaded (baseline)."""
 
-    def __init__(self, device):
+    def __init__(self, device, quantized: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -113,10 +113,14 @@ class MemoryProbe:
             self.baseline = torch.cuda.memory_allocated(self.device)
             self.method = "cuda-allocator"
         else:
-            try:  # libraries the load imports lazily (the quantizer's) are not the run's bytes
-                import torchao  # noqa: F401
-            except Exception:
-                pass
+            # a library the load imports lazily (the quantizer's, for a quantized base) is
+            # not the run's bytes: imported before the baseline (only then: its import
+            # takes a second)
+            if quantized:
+                try:
+                    import torchao  # noqa: F401
+                except Exception:
+                    pass
             trim_heap()
             self.baseline = rss_bytes()
             self.lib_baseline = library_rss_bytes()

@@ -74,7 +74,10 @@ class RLTrainer:
         self.dist = self.coll.dist
         seed_everything(cfg.train.seed, cfg.train.deterministic)
         self.device = pick_device(cfg.model.device)
-        self.mem = MemoryProbe(self.device)  # baseline: before the model is loaded
+        # baseline: before the model is loaded (torchao holds a quantized base, and full
+        # mode's int8 reference)
+        self.mem = MemoryProbe(self.device, quantized=cfg.train.mode == "full"
+                               or cfg.model.base_dtype in ("int8", "nf4"))
         check_modes(cfg, self.coll)
         self.policy = build_policy(cfg, self.device)
         self.coll.shard(self.policy, cfg)
