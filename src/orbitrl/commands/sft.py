@@ -86,9 +86,9 @@ def run(args) -> int:
                  f", tool called correctly {tools['tool_correct_rate']:.1%}")
         bar.write(f"sft step {step + 1}: loss {loss:.4f}, held-out accuracy {acc:.3f}{calls}",
                   file=sys.stderr)
-        if args.stop_at is not None and acc >= args.stop_at:
+        if args.stop_at is not None and acc >= args.stop_at and step + 1 < args.steps:
             reached.append(acc)
-            return True
+            return True  # (at the schedule's last step there is nothing left to stop)
         return False
 
     cfg = SFTConfig(lr=args.lr, steps=args.steps, batch_size=args.batch_size, seed=args.seed)

@@ -118,7 +118,8 @@ def empty_modules():
     is assigned from a checkpoint next). ``nn.Linear`` and ``nn.Embedding`` initialise
     in their constructors; on the meta device ``normal_`` goes through torch's reference
     implementations, whose first call imports ``torch._dynamo``: 1.1 s of every command's
-    start-up, measured."""
+    start-up, measured. The switch is process-wide: no other thread may build modules
+    meanwhile (they would skip their initialisers too); loads run on the main thread."""
     saved = {n: getattr(nn.init, n) for n in _INITS}
     try:
         for n in _INITS:
