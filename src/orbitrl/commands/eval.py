@@ -130,23 +130,15 @@ def task_scorer(task: str, model, tok, limit: int, max_tokens: int = 8):
     from types import SimpleNamespace
 
     from orbitrl.data.datasets import TASK_REWARDS, task_rows
-    from orbitrl.engine import Engine
-    from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rewards import RewardRunner
-    from orbitrl.rl.evaluate import Evaluator, tool_summary
+    from orbitrl.rl.evaluate import tool_summary
 
     rows = task_rows(task, "heldout", limit or None)
     runner = RewardRunner([TASK_REWARDS.get(task, "exact_match")], timeout_s=None)
-    env_cfg = _task_env(task, SimpleNamespace(max_tokens=max_tokens))
     data = SimpleNamespace(prompt_field="prompt", answer_field="answer", chat_template=False)
-    encode = lambda t: encode_prompt(tok, t, False)  # noqa: E731
-    engine = Engine(model, tok)  # made once: a KV pool is hundreds of MB to zero
-    turns = None
-    if env_cfg is not None:
-        from orbitrl.rl.trajectory import trajectories_fn
-
-        turns = trajectories_fn(engine, tok, encode, env_cfg)
-    evaluator = Evaluator(engine, encode, data, max_tokens, trajectories=turns)
+    # made once: a new engine zeroes a KV pool of hundreds of MB
+    evaluator = _evaluator(model, tok, data, max_tokens,
+                           _task_env(task, SimpleNamespace(max_tokens=max_tokens)))
 
     def score():
         acc, records = evaluator.run(rows, runner)
@@ -169,14 +161,13 @@ def _task_env(task, args):
     return cfg
 
 
-def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source,
-              env_cfg=None) -> int:
-    """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
-    accuracy and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
-    multi-turn trajectory (the accuracy is then the task's completion rate)."""
+def _evaluator(model, tok, data, max_tokens, env_cfg=None):
+    """The shared evaluation path (``rl/evaluate.py``) over one engine running ``model``:
+    prompts encoded as ``data`` says; ``env_cfg``, a run config whose ``env`` makes each
+    row a multi-turn trajectory."""
     from orbitrl.engine import Engine
     from orbitrl.model.tokenizer import encode_prompt
-    from orbitrl.rl.evaluate import Evaluator, tool_summary
+    from orbitrl.rl.evaluate import Evaluator
 
     engine = Engine(model, tok)
     encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
@@ -185,8 +176,17 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
         from orbitrl.rl.trajectory import trajectories_fn
 
         turns = trajectories_fn(engine, tok, encode, env_cfg)
-    ev = Evaluator(engine, encode, data, max_tokens, trajectories=turns)
-    acc, records = ev.run(rows, runner)
+    return Evaluator(engine, encode, data, max_tokens, trajectories=turns)
+
+
+def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source,
+              env_cfg=None) -> int:
+    """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
+    accuracy and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
+    multi-turn trajectory (the accuracy is then the task's completion rate)."""
+    from orbitrl.rl.evaluate import tool_summary
+
+    acc, records = _evaluator(model, tok, data, max_tokens, env_cfg).run(rows, runner)
     for r in records:  # a failing verifier is an error for that row, scored 0
         if "error" in r:
             r["completion"] += f"  [reward error: {r.pop('error')}]"

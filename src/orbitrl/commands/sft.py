@@ -77,7 +77,8 @@ def run(args) -> int:
     def progress(step, loss):
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
-        if score is None or (step + 1) % args.eval_every and step + 1 < args.steps:
+        last = step + 1 == args.steps
+        if score is None or (step + 1) % args.eval_every and not last:
             return False
         model.eval()
         acc, tools = score()
@@ -86,7 +87,7 @@ def run(args) -> int:
                  f", tool called correctly {tools['tool_correct_rate']:.1%}")
         bar.write(f"sft step {step + 1}: loss {loss:.4f}, held-out accuracy {acc:.3f}{calls}",
                   file=sys.stderr)
-        if args.stop_at is not None and acc >= args.stop_at and step + 1 < args.steps:
+        if args.stop_at is not None and acc >= args.stop_at and not last:
             reached.append(acc)
             return True  # (at the schedule's last step there is nothing left to stop)
         return False

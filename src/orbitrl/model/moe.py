@@ -232,7 +232,6 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             ys = _PackedExperts.apply(x, token, counts, padding, gu, dn, w, *weights_)
         else:
             ys = _packed_forward(x, token, counts, padding, gu, dn).mul_(w)
-        return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
     else:
         if pad:
             token_p, keep, pcounts, _ = padding
@@ -245,7 +244,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         ys = torch.cat([experts[e].forward(p) for e, p in enumerate(parts) if pcounts[e]])
         if pad:
             ys = ys.index_select(0, keep)
-    ys = ys * w if torch.is_grad_enabled() else ys.mul_(w)
+        ys = ys * w if torch.is_grad_enabled() else ys.mul_(w)
     return x.new_zeros(N, x.shape[-1]).index_add_(0, token, ys.to(x.dtype))
 
 
