@@ -24,7 +24,8 @@ class RowPadded(TorchFunctionMode):
     step of fewer than ``ROW_FLOOR`` tokens on ``moe.row_count`` rows (zero rows appended,
     dropped after): on a CPU a GEMM of such a row count takes other kernels and rounds each
     row differently from the trainer's larger batches, and the rollout's logprobs would
-    carry that difference (docs/moe.md, "Routing replay")."""
+    carry that difference (docs/moe.md, "Routing replay"). Used for a mixture's short steps
+    and the head; a dense model's short step pads its token rows instead (``_run``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,11 +85,18 @@ class ModelRunner:
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],
                                     exact=getattr(self.model, "attention_fp64", True))
-        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
-        pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR
+        if small and getattr(self.model.config, "moe", None) is None:
+            # a dense model runs a short step on row_count(N) token rows instead: every GEMM
+            # then has the rows RowPadded would give it, without RowPadded's Python call per
+            # op; the padding rows (token 0 at position 0) are ignored by the attention
+            # backend and dropped at the head
+            extra = row_count(len(ids)) - len(ids)
+            ids, pos, small = ids + [0] * extra, pos + [0] * extra, False
+        ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
+        pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
         with RowPadded() if small else nullcontext():
             hidden = self.model(ids_t, positions=pos_t, attn=attn, return_hidden=True,
                                 routing=routing)[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from orbitrl.model.attention import sdpa
+from orbitrl.model.attention import decode_attention_exact, sdpa
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -173,19 +173,28 @@ class PagedAttention:
 
     def __call__(self, layer: int, q, k, v):
         # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]
+        # rows past the scheduled tokens are padding (ModelRunner pads a short step's row
+        # count): they write nothing, read nothing and come out zero
         q, k, v = q[0], k[0], v[0]
-        self.cache.write(layer, self.slot_mapping, k, v)
+        real = self.slot_mapping.numel()
+        self.cache.write(layer, self.slot_mapping, k[:real], v[:real])
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
         window = self.windows[layer]
         out = torch.empty_like(q)
+        if q.shape[0] > real:
+            out[real:].zero_()
         if self.num_decode:
             b, c = self.dec_shape
             kc, vc = self.cache.read(layer, self.dec_idx)
-            kc = kc.view(b, c, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
-            vc = vc.view(b, c, hkv, d).transpose(1, 2)
+            kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
             # the G query heads sharing one kv head act as G queries of that head
             qd = q[:b].view(b, hkv, hq // hkv, d)
-            o = sdpa(qd, kc, vc, self._mask("dec", window), self.scale, self.exact)
+            mask = self._mask("dec", window)
+            if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
+                o = decode_attention_exact(qd, kc, vc, mask, self.scale)
+            else:
+                o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), mask, self.scale,
+                         self.exact)
             out[:b] = o.reshape(b, hq, d)
         for i, (t0, t1, _, slots) in enumerate(self.prefills):
             kc, vc = self.cache.read(layer, slots)
