@@ -1,41 +1,88 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in under 8 minutes on one GPU: the tests marked `gpu`
 # (the default run and full mode through `orbitrl train`, the reference pulled to the device
-# from its int8 host copy, train.tiers with pinned host memory and a side stream, the paged
-# attention kernels against their torch references), then the benchmarks that run on CUDA, at
-# sizes that fit the budget, printing their tables.
+# from its int8 host copy, train.tiers with pinned host memory and a side stream, the decode
+# runner's CUDA graphs, the paged attention kernels against their torch references), then
+# the benchmarks that run on CUDA, at sizes that fit the budget, printing their tables.
 #
-#     bash scripts/gpu_check.sh
+#     bash scripts/gpu_check.sh               # everything (exit 0: passed)
+#     bash scripts/gpu_check.sh --preflight   # only: packages import, a device is present
 #
+# Offline machines: packages that do not import there are installed from the wheels in
+# .whl/ (or GPU_CHECK_WHEELS; scripts/gpu_wheels.sh makes them where pip can download)
+# into a temporary folder;
+# a package still missing stops the check at once, named. PYTHON picks the interpreter
+# (default python3); GPU_CHECK_LOG=FILE also writes everything printed to FILE.
 # Each part runs under its own time limit (an overrun fails the check instead of stalling).
-# Without a CUDA device it stops at once with exit status 2.
+# A module that does not import stops it with exit status 1, no CUDA device with 2.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ -n "${GPU_CHECK_LOG:-}" ]]; then
+    exec > >(tee -a "$GPU_CHECK_LOG") 2>&1
+fi
+PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
-if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+# what the package imports (pyproject's dependencies) and what the checks run
+mods="torch triton transformers safetensors tokenizers yaml tqdm numpy matplotlib torchao pytest"
+missing() { "$PY" - "$@" <<'PYEOF'
+import importlib, sys
+gone = []
+for m in sys.argv[1:]:
+    try:
+        importlib.import_module(m)
+    except Exception:
+        gone.append(m)
+print(" ".join(gone))
+PYEOF
+}
+gone=$(missing $mods)
+wheels=${GPU_CHECK_WHEELS:-.whl}
+if [[ -n "$gone" ]] && compgen -G "$wheels/*.whl" > /dev/null; then
+    site="${TMPDIR:-/tmp}/orbitrl-gpu-site"
+    echo "gpu_check: not installed: $gone; installing the wheels in $wheels/ into $site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$wheels"/*.whl
+    export PYTHONPATH="$PYTHONPATH:$site"
+    gone=$(missing $mods)
+fi
+if [[ -n "$gone" ]]; then
+    echo "gpu_check: FAILED: these Python modules do not import here: $gone (on a machine" \
+         "without a package index, bring wheels made by scripts/gpu_wheels.sh in $wheels/)" >&2
+    exit 1
+fi
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: FAILED: torch sees no CUDA device on this machine; these checks need one" >&2
     exit 2
 fi
-python -c "import torch; print('gpu_check: device', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
+
+"$PY" -c "import torch, triton, transformers, torchao; print('gpu_check: device', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| torchao', torchao.__version__)"
+
+if [[ "${1:-}" == "--preflight" ]]; then
+    echo "gpu_check: preflight passed (packages import, a CUDA device is present)"
+    exit 0
+fi
 
 start=$SECONDS
-echo "== tests marked gpu (limit 200 s)"
+# only the files that hold gpu tests: a module skipped at import elsewhere (an optional
+# package missing) must not read as a skipped gpu test
+files=$(grep -rlE "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests --include="test_*.py" | sort)
+echo "== tests marked gpu in" $files "(limit 200 s)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-timeout 200 python -m pytest -q -m gpu -rs tests 2>&1 | tee "$log"
+timeout 200 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider $files 2>&1 | tee "$log"
 if grep -qE "[0-9]+ skipped" "$log"; then  # with a device present none may be skipped
     echo "gpu_check: FAILED: gpu tests were skipped on a machine with a CUDA device" >&2
     exit 1
 fi
 
 echo "== benchmarks/bench_tiers.py: tiers and the pulled reference on CUDA (limit 100 s)"
-timeout 100 python benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
+timeout 100 "$PY" benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
 
-echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 90 s)"
-timeout 90 python benchmarks/bench_engine_gpu.py --quick
+echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 110 s)"
+timeout 110 "$PY" benchmarks/bench_engine_gpu.py --quick
 
 echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 60 s)"
-timeout 60 python benchmarks/bench_attention_kernels.py --quick
+timeout 60 "$PY" benchmarks/bench_attention_kernels.py --quick
 
 echo "gpu_check: passed in $((SECONDS - start)) s"

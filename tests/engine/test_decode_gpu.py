@@ -84,9 +84,12 @@ def test_lora_on_nf4_rollout_on_cuda(hf_dirs):
     apply_lora(model, rank=4, base_format="nf4")
     prompts = random_prompts([6, 13, 25])
     params = SamplingParams(n=2, max_tokens=12, **GREEDY)
+    # graphs against the same runner stepping eagerly: the same kernels and padding, so
+    # the same bits (the general path's gather + SDPA in bf16 may break a near-tie)
     fast = Engine(model, kv_budget_bytes=1 << 22, block_size=4)
-    slow = Engine(model, kv_budget_bytes=1 << 22, block_size=4, static_decode=False)
+    slow = Engine(model, kv_budget_bytes=1 << 22, block_size=4, cuda_graphs=False)
     before = _tokens(fast.generate(prompts, params))
+    assert fast.decode_runner._graphs and not slow.decode_runner._graphs
     assert before == _tokens(slow.generate(prompts, params))
     with torch.no_grad():  # an adapter update in place, seen by the captured graphs
         for p in adapter_parameters(model):
@@ -113,3 +116,51 @@ def test_triton_kernel_is_the_default_and_matches_the_reference(hf_dirs):
     gap = max(abs(x - y) for oa, ob in zip(a, b) for sa, sb in zip(oa.samples, ob.samples)
               for x, y in zip(sa.raw_logprobs, sb.raw_logprobs))
     assert gap < 1e-4
+
+
+def test_hooked_model_steps_eagerly_on_cuda(hf_dirs):
+    """A forward hook (here a probe on the head, as the alignment row uses) runs at every
+    decode step: the runner does not capture graphs while the model has hooks."""
+    model = orbitrl.load_model(hf_dirs["llama"][0], device="cuda")
+    rows = []
+    h = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
+    try:
+        eng = Engine(model, kv_budget_bytes=1 << 22, max_num_seqs=1)
+        out = eng.generate(random_prompts([7]), SamplingParams(max_tokens=9, **GREEDY))
+    finally:
+        h.remove()
+    assert not eng.decode_runner._graphs
+    assert len(out[0].samples[0].token_ids) == 9 and sum(rows) == 9
+    eng.generate(random_prompts([7]), SamplingParams(max_tokens=9, **GREEDY))
+    assert eng.decode_runner._graphs  # unhooked: captured again
+
+
+def test_adapter_views_replay_the_same_graphs_on_cuda(hf_dirs):
+    """rollout.overlap samples each step from a new adapter view: the runner copies it into
+    its own tensors, so the graphs captured for the first view are replayed for the next,
+    and give the eager runner's tokens for each."""
+    from orbitrl.model.lora import adapter_parameters, adapter_view, apply_lora, \
+        snapshot_adapters
+
+    model = orbitrl.load_model(hf_dirs["llama"][0], device="cuda")
+    apply_lora(model, rank=4)
+    torch.manual_seed(0)
+    views = []
+    with torch.no_grad():
+        for _ in range(2):
+            for p in adapter_parameters(model):
+                p.add_(torch.randn_like(p) * 0.3)
+            views.append(snapshot_adapters(model))
+    prompts = random_prompts([5, 11, 7])
+    params = SamplingParams(n=2, max_tokens=10, **GREEDY)
+    fast = Engine(model, kv_budget_bytes=1 << 22)
+    slow = Engine(model, kv_budget_bytes=1 << 22, cuda_graphs=False)
+    got, graphs = [], []
+    for view in views:
+        with adapter_view(view):
+            a = _tokens(fast.generate(prompts, params))
+            assert a == _tokens(slow.generate(prompts, params))
+        got.append(a)
+        graphs.append(dict(fast.decode_runner._graphs))
+    assert got[0] != got[1]
+    assert graphs[0] and all(graphs[1][k] is g for k, g in graphs[0].items())

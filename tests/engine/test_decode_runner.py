@@ -170,3 +170,90 @@ def test_cpu_runner_attends_with_the_reference():
     from orbitrl.engine.decode_runner import default_attend
 
     assert isinstance(default_attend(torch.device("cpu")), ReferencePagedDecode)
+
+
+def test_graphs_off_while_hooked_and_kept_across_adapter_views(hf_dirs):
+    """A replay runs no module hooks, so the runner captures nothing while the model has any
+    (tiers, sharding, a logits probe). An adapter view is copied into the runner's own
+    tensors: a new view of the same shapes keeps the graphs; a LoRA switch, a view coming or
+    going, or other shapes drop them."""
+    from orbitrl.model.lora import apply_lora, snapshot_adapters
+
+    model = orbitrl.load_model(hf_dirs["llama"][0])
+    apply_lora(model, rank=4)
+    eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 20)
+    r = eng.decode_runner
+    r.graphs = True  # what CUDA sets; only begin() runs here
+    r.begin((), None)
+    assert r.capture
+    h = model.lm_head.register_forward_hook(lambda m, i, o: None)
+    r.begin((), None)
+    assert not r.capture
+    h.remove()
+    h = model.model.layers[1].register_forward_pre_hook(lambda m, i: None)
+    r.begin((), None)
+    assert not r.capture
+    h.remove()
+    r.begin((), None)
+    assert r.capture
+    r._graphs[1] = "captured"
+    view = snapshot_adapters(model)
+    r.begin((), view)
+    assert r._graphs == {}  # a view came
+    r._graphs[1] = "captured"
+    mine = r._view
+    view2 = {k: (a + 1, b - 1) for k, (a, b) in view.items()}
+    r.begin((), view2)
+    assert r._graphs == {1: "captured"} and r._view is mine  # copied in, graphs kept
+    k = next(iter(view2))
+    assert torch.equal(mine[k][0], view2[k][0]) and torch.equal(mine[k][1], view2[k][1])
+    r.begin((), {k: (a[:2], b) for k, (a, b) in view.items()})
+    assert r._graphs == {}  # other shapes
+    r._graphs[1] = "captured"
+    r.begin((False,), None)
+    assert r._graphs == {}  # the view went, a switch changed
+
+
+def test_static_runner_samples_the_adapter_view(hf_dirs):
+    """Under lora.adapter_view the runner's steps use the view (copied into its tensors),
+    not the live adapters: the same tokens as the general path, for two views in turn."""
+    from orbitrl.model.lora import adapter_parameters, adapter_view, apply_lora, \
+        snapshot_adapters
+
+    model = orbitrl.load_model(hf_dirs["llama"][0])
+    apply_lora(model, rank=4)
+    torch.manual_seed(0)
+    views = []
+    with torch.no_grad():
+        for _ in range(2):
+            for p in adapter_parameters(model):
+                p.add_(torch.randn_like(p) * 0.3)
+            views.append(snapshot_adapters(model))
+        for p in adapter_parameters(model):
+            p.zero_()  # the live adapters differ from both views
+    prompts = random_prompts([5, 11, 7])
+    params = SamplingParams(n=2, max_tokens=10, **GREEDY)
+    fast = Engine(model, static_decode=True, kv_budget_bytes=1 << 20)
+    slow = Engine(model, static_decode=False, kv_budget_bytes=1 << 20)
+    got = []
+    for view in views:
+        with adapter_view(view):
+            a = _tokens(fast.generate(prompts, params))
+            assert a == _tokens(slow.generate(prompts, params))
+        got.append(a)
+    assert got[0] != got[1] != _tokens(slow.generate(prompts, params))
+    assert sum(n == k for n, k, _ in fast.timeline) >= 9
+
+
+def test_rollout_with_a_hooked_head_runs_the_hook_every_step(hf_dirs):
+    """The engine's tokens with a forward hook on the head, through the static runner, and
+    the hook saw one row per token (what the alignment probe relies on)."""
+    model = orbitrl.load_model(hf_dirs["llama"][0])
+    rows = []
+    h = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[0]))
+    try:
+        eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 20, max_num_seqs=1)
+        out = eng.generate(random_prompts([7]), SamplingParams(max_tokens=9, **GREEDY))
+    finally:
+        h.remove()
+    assert len(out[0].samples[0].token_ids) == 9 and sum(rows) == 9

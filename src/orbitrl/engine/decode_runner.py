@@ -10,7 +10,11 @@ and one static output buffer, so it has fixed shapes per batch-size bucket:
   nothing, so no state is disturbed. Weights changed in place between steps (an optimizer
   step, a LoRA update, same addresses) are read by the next replay; graphs are dropped when
   the KV cache is reallocated (pool resize), when a state buffer grows, and when the model's
-  adapter switches change (:meth:`DecodeRunner.begin`).
+  adapter switches change (:meth:`DecodeRunner.begin`). A thread's adapter view
+  (``lora.adapter_view``, the frozen adapters a rollout overlapped with training samples
+  from) is copied into the runner's own tensors at each ``generate`` and the steps read
+  those, so a new view (one per step under ``rollout.overlap``) is one copy of the adapters,
+  not a new capture. While any module has forward hooks the steps run eagerly.
 - on CPU the same step runs eagerly with the same padding and bookkeeping, and the KV is
   gathered only up to the longest row's blocks (shapes need not be static there).
 
@@ -21,6 +25,8 @@ in place; it is the default on CUDA when Triton imports. Elsewhere the plain-PyT
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -155,15 +161,41 @@ class DecodeRunner:
         self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
         self._graphs: dict = {}
         self._sig = None
+        self._view = None  # the runner's copy of the adapter view: {id: (A, B)}
+        self.viewing = False  # this generate samples through an adapter view
+        self.capture = self.graphs  # this generate's choice (begin)
+        self.packed = None  # the engine's PackedLinears (CPU only)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def begin(self, signature) -> None:
-        """Called once per ``generate``: drops captured graphs if the model's adapter
-        switches (``signature``) changed since they were recorded."""
-        if signature != self._sig:
-            self._graphs, self._sig = {}, signature
+    def begin(self, signature, view=None) -> None:
+        """Called once per ``generate``. ``signature``: the LoRA modules' switches; ``view``:
+        the thread's adapter view (``lora.adapter_view``) or None. Captured graphs are
+        dropped when the switches change, when a view comes or goes, or when its tensors'
+        shapes change; a view's values are copied into the runner's own tensors (the
+        addresses the graphs read). The steps run eagerly while any module of the model
+        has forward hooks: a replay runs none of them, so hooks that move weights in
+        (tiers, sharding) or read outputs (a logits probe) would be skipped."""
+        if view is not None:
+            mine = self._view
+            if mine is not None and mine.keys() == view.keys() and all(
+                    a.shape == va.shape and a.dtype == va.dtype and a.device == va.device
+                    and b.shape == vb.shape and b.dtype == vb.dtype
+                    for k, (a, b) in mine.items() for va, vb in [view[k]]):
+                for k, (a, b) in mine.items():
+                    a.copy_(view[k][0])
+                    b.copy_(view[k][1])
+            else:
+                self._view = {k: (a.detach().clone(), b.detach().clone())
+                              for k, (a, b) in view.items()}
+                self._graphs = {}
+        key = (signature, view is not None)
+        if key != self._sig:
+            self._graphs, self._sig = {}, key
+        self.viewing = view is not None
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
+        self.capture = self.graphs and not hooked
 
     def invalidate(self) -> None:
         """Drop every captured graph (the KV cache or a state buffer was reallocated)."""
@@ -173,12 +205,16 @@ class DecodeRunner:
     def _step(self, b: int, nb: int, filtered: bool) -> None:
         """The graph body: forward, sample, stop checks, advance; writes ``out[:b]`` as
         (token, logprob, raw logprob, reason: 0 running, 1 stop id, 2 length)."""
+        from orbitrl.model.lora import adapter_view
+
         st = self.state
         attn = _StepAttention(self, b, nb)
         if isinstance(self.attend, ReferencePagedDecode):
             self.attend = ReferencePagedDecode()  # fresh memo for this step
-        hidden = self.model(st.tokens[:b, None], positions=st.positions[:b, None], attn=attn,
-                            return_hidden=True)[:, 0]
+        with adapter_view(self._view) if self.viewing else nullcontext(), \
+                self.packed or nullcontext():
+            hidden = self.model(st.tokens[:b, None], positions=st.positions[:b, None],
+                                attn=attn, return_hidden=True)[:, 0]
         logits = self.model.lm_head(hidden).float()
         u = uniforms(st.keys[:b], st.counters[:b])
         filt = (st.top_k[:b], st.top_p[:b]) if filtered else (None, None)
@@ -203,7 +239,7 @@ class DecodeRunner:
         if st.grown:
             self.invalidate()
             st.grown = False
-        if not self.graphs:
+        if not self.capture:
             nb = int(st.nblk_h[:n].max())  # eager: gather only up to the longest row
             self._step(b, nb, filtered)
         else:
@@ -224,6 +260,8 @@ class DecodeRunner:
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         pool = next(iter(self._graphs.values())).pool() if self._graphs else None
-        with torch.cuda.graph(g, pool=pool):  # records only: state is not advanced
+        # records only (state is not advanced); thread_local: a training thread running
+        # beside this one (rollout.overlap) may sync or allocate during the capture
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             self._step(b, mb, filtered)
         self._graphs[key] = g

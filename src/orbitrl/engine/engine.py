@@ -20,6 +20,7 @@ from orbitrl.engine.block_pool import BlockPool
 from orbitrl.engine.decode_runner import DecodeRunner
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.model_runner import ModelRunner
+from orbitrl.engine.packed import PackedLinears
 from orbitrl.engine.paged_attention import KVCache
 from orbitrl.engine.sampler import sample
 from orbitrl.engine.scheduler import Scheduler
@@ -76,7 +77,7 @@ class Engine:
                  kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  preempt: str | None = None, seed: int = 0, static_decode: bool | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, packed_bytes: int = 512 << 20):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         dtype, device = next(model.parameters()).dtype, model.device
@@ -105,6 +106,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
+        # CPU: the frozen fp32 nn.Linear weights through oneDNN, packed once (packed.py)
+        self.packed = PackedLinears(model, packed_bytes if device.type == "cpu" else 0)
+        self.runner.packed = self.packed
         # mixtures run the general path: the expert grouping reads token counts on the host
         # (no graph capture) and the general path records the routing for replay
         moe = getattr(cfg, "moe", None) is not None
@@ -113,6 +117,7 @@ class Engine:
         self.decode = DecodeState(max_num_seqs, -(-self.max_model_len // block_size),
                                   block_size, self.max_model_len, device)
         self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs)
+        self.decode_runner.packed = self.packed
         self.eos_ids = frozenset(_ids(cfg.eos_token_id)
                                  + _ids(getattr(tokenizer, "eos_token_id", None)))
         self.rng = torch.Generator().manual_seed(seed)
@@ -253,7 +258,7 @@ class Engine:
         self.pool.reset_prefix_cache()
         self.stop_fn, self._done, self.timeline = None, {}, []
         self.decode.reset()
-        self.decode_runner.begin(_adapter_signature(self.model))
+        self.decode_runner.begin(*_adapter_signature(self.model))
 
     def weights_changed(self, recompute: bool) -> int:
         """The weights were replaced between two steps. Cached prefixes are stale; with
@@ -284,7 +289,7 @@ class Engine:
         outs = [self.add_request(i, r, p) for i, (r, p) in enumerate(requests)]
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
         self.decode.reset()
-        self.decode_runner.begin(_adapter_signature(self.model))
+        self.decode_runner.begin(*_adapter_signature(self.model))
         if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
             self.resize_pool(least)                               # fit each sample
         return outs
@@ -503,7 +508,7 @@ class Engine:
                  kv_block_bytes=self.block_bytes, kv_bytes_peak=self.pool.peak_used * self.block_bytes,
                  blocks_allocated=self.pool.allocated, prefix_hits=self.pool.prefix_hits,
                  cow=self.pool.cow, preemptions=self.scheduler.num_preempted,
-                 swaps=self.scheduler.num_swapped,
+                 swaps=self.scheduler.num_swapped, packed_bytes=self.packed.bytes,
                  parked_evictions=self.scheduler.num_parked_evicted)
         s["tokens_per_s"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         return s
@@ -515,8 +520,8 @@ def _nbytes(saved: tuple) -> int:
 
 def _adapter_signature(model) -> tuple:
     """What a captured decode graph bakes in besides tensor addresses: each LoRA module's
-    switch and the thread's adapter view (``lora.adapter_view``)."""
+    switch, and the thread's adapter view (``lora.adapter_view``)."""
     from orbitrl.model.lora import _VIEW, lora_modules
 
     view = getattr(_VIEW, "tensors", None)
-    return tuple(m.enabled for m in lora_modules(model).values()) + (id(view),)
+    return tuple(m.enabled for m in lora_modules(model).values()), view

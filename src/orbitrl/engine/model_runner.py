@@ -60,6 +60,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
+        self.packed = None  # the engine's PackedLinears (CPU), entered around each step
 
     def run(self, items: list[tuple[Sequence, int]]):
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S
@@ -67,7 +68,8 @@ class ModelRunner:
 
         Under ``torch.inference_mode`` where ``decoder.inference_safe`` (about 10% of a
         small model's decode step on a CPU: dispatch overhead), else ``no_grad``."""
-        with torch.inference_mode() if inference_safe(self.model) else torch.no_grad():
+        with torch.inference_mode() if inference_safe(self.model) else torch.no_grad(), \
+                self.packed or nullcontext():
             return self._run(items)
 
     def _run(self, items: list[tuple[Sequence, int]]):

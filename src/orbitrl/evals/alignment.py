@@ -38,8 +38,10 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
     cfg = model.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     longest = max(len(p) for p in prompts) + max_tokens + 16
-    engine = Engine(model, tok, max_num_seqs=1, kv_budget_bytes=longest * kv_bytes_per_token(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
+    # packed_bytes=0: the path a run's rollout engine takes (rl/rollout.py)
+    engine = Engine(model, tok, max_num_seqs=1, packed_bytes=0,
+                    kv_budget_bytes=longest * kv_bytes_per_token(
+                        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
     rows: list[torch.Tensor] = []
     me = threading.get_ident()  # (a rollout thread may share the model: overlapped mode)
 

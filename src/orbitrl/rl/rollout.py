@@ -156,8 +156,11 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
                                resident=tensor_bytes(model, reference, device=device),
                                device=device.type, devices=devices)
         budget = plan["blocks"] * bb
+    # no oneDNN-packed copies of plain fp32 projections (engine/packed.py) in a run: the
+    # memory ledger does not price them (an fp32 base would hold its weights twice), and in
+    # full mode they would be remade after every step
     engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
-                    block_size=r.block_size, seed=cfg.train.seed)
+                    block_size=r.block_size, seed=cfg.train.seed, packed_bytes=0)
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan

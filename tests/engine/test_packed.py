@@ -1,0 +1,92 @@
+"""The engine's oneDNN path for frozen fp32 nn.Linear weights on a CPU (engine/packed.py):
+the same outputs as F.linear to fp32 rounding, each row's bits independent of the row count,
+a weight changed in place seen at once, F.linear for other threads and for calls that need
+gradients, and the engine's tokens and logprobs unchanged."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import orbitrl
+from orbitrl.engine import Engine, SamplingParams
+from orbitrl.engine.packed import PackedLinears, available
+from hf_helpers import GREEDY, random_prompts
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
+
+
+def _frozen_model(hf_dirs):
+    return orbitrl.load_model(hf_dirs["qwen2"][0])
+
+
+def test_packed_linear_matches_f_linear_and_is_row_invariant(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    packed = PackedLinears(model, 1 << 30)
+    mods = [m for m in model.modules() if type(m) is nn.Linear]
+    assert packed and packed.mods == mods and packed.bytes == 0
+    x = torch.randn(40, mods[0].in_features)
+    with torch.inference_mode(), packed:
+        m = mods[0]
+        assert type(m.forward).__name__ == "_Forward"
+        full = m(x)
+        torch.testing.assert_close(full, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        for rows in range(1, 40):
+            assert torch.equal(m(x[:rows]), full[:rows]), rows
+        assert torch.equal(m(x[None, :7]), full[None, :7])  # leading dims kept
+    assert "forward" not in m.__dict__  # the class's forward again
+    assert packed.bytes == m.weight.numel() * 4
+
+
+def test_weight_changed_in_place_is_seen_and_other_callers_get_f_linear(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    m = model.lm_head
+    packed = PackedLinears(model, 1 << 30)
+    x = torch.randn(5, m.in_features)
+    with torch.no_grad(), packed:
+        before = m(x)
+        m.weight.mul_(-2)  # an optimizer step, in place
+        after = m(x)
+        torch.testing.assert_close(after, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(before, after)
+        other = {}
+        for key, fn in (("y", m), ("ref", lambda x: F.linear(x, m.weight, m.bias))):
+            t = threading.Thread(target=lambda: other.setdefault(key, fn(x)))
+            t.start()
+            t.join()
+        assert torch.equal(other["y"], other["ref"])  # another thread: F.linear's bits
+    xg = torch.randn(5, m.in_features, requires_grad=True)
+    with packed:
+        m(xg).sum().backward()  # gradients: F.linear, so they flow
+    assert xg.grad is not None
+    torch.testing.assert_close(xg.grad, m.weight.detach().sum(0).expand(5, -1))
+
+
+def test_what_is_packed():
+    lin, frozen = nn.Linear(8, 4), nn.Linear(8, 4).requires_grad_(False)
+    half = nn.Linear(8, 4).to(torch.bfloat16)
+
+    class Sub(nn.Linear):  # a subclass has its own forward: left alone
+        pass
+
+    model = nn.Sequential(lin, frozen, half, Sub(8, 4))
+    assert PackedLinears(model, 1 << 20).mods == [lin, frozen]
+    assert not PackedLinears(model, 16)  # over the budget: nothing
+    assert not PackedLinears(model, 0)
+
+
+def test_engine_with_and_without_packing(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    prompts = random_prompts([3, 17, 9, 33])
+    params = SamplingParams(n=2, max_tokens=12, **GREEDY)
+    a = Engine(model, kv_budget_bytes=1 << 20)
+    b = Engine(model, kv_budget_bytes=1 << 20, packed_bytes=0)
+    outs_a, outs_b = a.generate(prompts, params), b.generate(prompts, params)
+    assert a.summary()["packed_bytes"] > 0 and b.summary()["packed_bytes"] == 0
+    for oa, ob in zip(outs_a, outs_b):
+        for sa, sb in zip(oa.samples, ob.samples):
+            assert sa.token_ids == sb.token_ids
+            assert max(abs(x - y) for x, y in zip(sa.raw_logprobs, sb.raw_logprobs)) < 1e-5
+    assert all("forward" not in m.__dict__ for m in model.modules())
