@@ -26,10 +26,11 @@ GEMM floor: the seconds that the model's weight matmuls alone take on this workl
 prompt prefilled once (the projections over all prompt tokens, the head over one row per
 prompt), then for every decode step the projections and the head at that step's batch (the
 sequences still running; each sequence stopped at its drawn length), measured here with
-the model's own weights, taking the faster of the two weight layouts (a sequence's first
-token comes from its prompt's prefill row). Attention, sampling and every other op are left
-out. An implementation that does these matmuls in fp32 with this build's GEMMs cannot beat
-it. Reading "x% of the floor" next to each system says how much of its time is spent
+the model's own weights, taking the fastest of three kernels: MKL through ``F.linear`` on
+the row-major weights, MKL on transposed weights, and oneDNN over weights prepacked once
+(``torch.ops.mkldnn``, what orbitrl's engine uses on a CPU; a sequence's first token comes
+from its prompt's prefill row). Attention, sampling and every other op are left out. An
+implementation that does these matmuls in fp32 with this build's GEMMs cannot beat it. Reading "x% of the floor" next to each system says how much of its time is spent
 outside the matmuls.
 
 Roofline: bytes of weights read per decode step (every parameter once; the embedding table
@@ -219,26 +220,37 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
               for name, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and name != "lm_head"]
     head = [(model.lm_head.weight.detach(), None)]
+    from orbitrl.engine.packed import PackedLinears, available
+
     flip = lambda ms: [(w.t().contiguous(), b) for w, b in ms]  # noqa: E731
-    layouts = {False: (layers, head), True: (flip(layers), flip(head))}  # transposed?
+    pack = lambda ms: [(torch.ops.mkldnn._reorder_linear_weight(  # noqa: E731
+        w, PackedLinears.ROWS_HINT), b) for w, b in ms]
+    layouts = {"row-major": (layers, head), "transposed": (flip(layers), flip(head))}
+    if available():  # oneDNN over prepacked weights, what orbitrl's engine uses on a CPU
+        layouts["onednn"] = (pack(layers), pack(head))
+    ins = {w.shape[1] for w, _ in layers + head}
     flat = [x for row in lengths for x in row]
 
-    def pass_(m, transposed, with_layers=True, with_head=True):
-        ls, hd = layouts[transposed]
+    def pass_(m, kind, with_layers=True, with_head=True):
+        ls, hd = layouts[kind]
         chosen = (ls if with_layers else []) + (hd if with_head else [])
-        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w, _ in layers + head}}
+        xs = {k: torch.randn(m, k) for k in ins}
         t = time.perf_counter()
-        for w, b in chosen:
-            if transposed:
-                y = xs[w.shape[0]] @ w
+        for (w, b), (w0, _) in zip(chosen, (layers if with_layers else []) +
+                                   (head if with_head else [])):
+            x = xs[w0.shape[1]]
+            if kind == "transposed":
+                y = x @ w
                 if b is not None:
                     y += b
+            elif kind == "onednn":
+                torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
             else:
-                F.linear(xs[w.shape[1]], w, b)
+                F.linear(x, w, b)
         return time.perf_counter() - t
 
     def best(m, **kw):
-        return min(min(pass_(m, tr, **kw) for _ in range(3)) for tr in (False, True))
+        return min(min(pass_(m, kind, **kw) for _ in range(3)) for kind in layouts)
 
     # a sequence's first token comes from the prefill's head row; decode step s >= 1
     # runs every sequence longer than s

@@ -66,7 +66,11 @@ fi
 start=$SECONDS
 # only the files that hold gpu tests: a module skipped at import elsewhere (an optional
 # package missing) must not read as a skipped gpu test
-files=$(grep -rlE "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests --include="test_*.py" | sort)
+files=$(grep -rlE "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests --include="test_*.py" | sort || true)
+if [[ -z "$files" ]]; then
+    echo "gpu_check: FAILED: no test file under tests/ has gpu-marked tests" >&2
+    exit 1
+fi
 echo "== tests marked gpu in" $files "(limit 200 s)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -64,17 +64,56 @@ def test_weight_changed_in_place_is_seen_and_other_callers_get_f_linear(hf_dirs)
     torch.testing.assert_close(xg.grad, m.weight.detach().sum(0).expand(5, -1))
 
 
-def test_what_is_packed():
+def test_what_is_packed(hf_dirs):
     lin, frozen = nn.Linear(8, 4), nn.Linear(8, 4).requires_grad_(False)
     half = nn.Linear(8, 4).to(torch.bfloat16)
+    view = nn.Linear(8, 4)
+    view.weight = nn.Parameter(torch.zeros(3, 4, 8)[1])  # a view into a stack (experts)
 
     class Sub(nn.Linear):  # a subclass has its own forward: left alone
         pass
 
-    model = nn.Sequential(lin, frozen, half, Sub(8, 4))
+    model = nn.Sequential(lin, frozen, half, Sub(8, 4), view)
     assert PackedLinears(model, 1 << 20).mods == [lin, frozen]
     assert not PackedLinears(model, 16)  # over the budget: nothing
     assert not PackedLinears(model, 0)
+    packed = PackedLinears(model, 1 << 20)
+    h = lin.register_forward_hook(lambda *a: None)  # tiers and sharding work through hooks
+    packed.reset()
+    assert not packed
+    h.remove()
+    packed.reset()
+    assert packed
+
+    from orbitrl.model.lora import apply_lora
+
+    lora = _frozen_model(hf_dirs)
+    apply_lora(lora, rank=4)
+    names = {id(m): n for n, m in lora.named_modules()}
+    got = {names[id(m)].rsplit(".", 1)[-1] for m in PackedLinears(lora, 1 << 30).mods}
+    assert got == {"base_layer", "lm_head"}  # not lora_A / lora_B
+
+
+def test_weights_changed_without_a_version_are_seen_at_the_next_generate(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    prompts = random_prompts([6, 9])
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    eng = Engine(model, kv_budget_bytes=1 << 20)
+    ref = Engine(model, kv_budget_bytes=1 << 20, packed_bytes=0)
+    eng.generate(prompts, params)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data.flip(0) if p.dim() == 2 else p.data)  # no version bump
+    a, b = eng.generate(prompts, params), ref.generate(prompts, params)
+    assert [o.samples[0].token_ids for o in a] == [o.samples[0].token_ids for o in b]
+
+
+def test_weights_made_in_inference_mode_run_unpacked(hf_dirs):
+    with torch.inference_mode():
+        model = orbitrl.load_model(hf_dirs["qwen2"][0])
+        eng = Engine(model, kv_budget_bytes=1 << 20)
+        out = eng.generate(random_prompts([6]), SamplingParams(max_tokens=5, **GREEDY))
+    assert len(out[0].samples[0].token_ids) == 5 and eng.summary()["packed_bytes"] == 0
 
 
 def test_engine_with_and_without_packing(hf_dirs):

@@ -215,7 +215,7 @@ class DecodeRunner:
                 self.packed or nullcontext():
             hidden = self.model(st.tokens[:b, None], positions=st.positions[:b, None],
                                 attn=attn, return_hidden=True)[:, 0]
-        logits = self.model.lm_head(hidden).float()
+            logits = self.model.lm_head(hidden).float()
         u = uniforms(st.keys[:b], st.counters[:b])
         filt = (st.top_k[:b], st.top_p[:b]) if filtered else (None, None)
         tok, lp, raw = sample_rows(logits, st.inv_temp[:b], st.greedy[:b], u, *filt)

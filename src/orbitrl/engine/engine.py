@@ -259,6 +259,7 @@ class Engine:
         self.stop_fn, self._done, self.timeline = None, {}, []
         self.decode.reset()
         self.decode_runner.begin(*_adapter_signature(self.model))
+        self.packed.reset()
 
     def weights_changed(self, recompute: bool) -> int:
         """The weights were replaced between two steps. Cached prefixes are stale; with
@@ -267,6 +268,7 @@ class Engine:
         the samples cut."""
         self.pool.reset_prefix_cache()
         self.decode.reset()
+        self.packed.reset()
         if not recompute:
             return 0
         sch = self.scheduler
@@ -290,6 +292,7 @@ class Engine:
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
         self.decode.reset()
         self.decode_runner.begin(*_adapter_signature(self.model))
+        self.packed.reset()
         if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
             self.resize_pool(least)                               # fit each sample
         return outs

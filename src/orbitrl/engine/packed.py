@@ -1,4 +1,4 @@
-"""oneDNN GEMMs with prepacked weights for the engine's frozen fp32 projections on a CPU.
+"""oneDNN GEMMs with prepacked weights for the engine's fp32 projections on a CPU.
 
 MKL's fp32 GEMM, which ``nn.Linear`` reaches on a CPU, streams a weight matrix at about
 6 GB/s when the batch has a few rows (it repacks the weight on every call); gemv does 21 GB/s
@@ -9,15 +9,22 @@ every row the same bits whatever the row count (1 to 512 rows checked), where MK
 kernel below 12 rows.
 
 :class:`PackedLinears` picks the model's plain ``nn.Linear`` modules with fp32 weights on
-the CPU (a loaded model's projections and head; in an adapter run, the head) and, while a
-step runs (``with packed:``), routes their forward in the engine's thread through a packed
-copy, made at the first call. The copy is remade whenever the weight changes (another
-tensor, storage or version: an optimizer step or a ``load_state_dict`` in place), so the
-engine still samples the model as it is. Memory: one packed copy of those weights, held by
-the engine, only when they fit the budget (``Engine(packed_bytes=...)``, 512 MiB by default; an
-RL run's rollout engine packs nothing, because the memory ledger does not price the copy). Any other thread, and any call that needs gradients, gets
-``F.linear`` as before. LoRA modules and frozen quantized bases call ``F.linear`` on their
-own weights and are not affected.
+the CPU that a forward calls (a loaded model's projections and head, a LoRA module's plain
+base layer; not the LoRA A/B matrices, which the LoRA module multiplies itself, nor weights
+that are views into a larger tensor, such as a mixture's stacked experts) and, while a step
+runs (``with packed:``), routes their forward in the engine's thread through a packed copy
+made at the first call. The copies are dropped at the start of every ``generate`` (and of a
+stream, and on ``Engine.weights_changed``), so each batch samples the weights as they are
+then; within a batch a copy is remade if its weight becomes another tensor or storage or
+its version moves. (An in-place change that bumps no version, ``p.data.copy_`` or a fused
+optimizer step, is seen from the next ``generate`` on.)
+
+Memory: one packed copy of those weights, held by the engine, only when they fit the budget
+(``Engine(packed_bytes=...)``, 512 MiB by default; an RL run's rollout engine packs nothing,
+because the memory ledger does not price the copy). Nothing is packed while the model has
+forward hooks (layer tiers and sharding swap weights in through them), for weights made
+under ``torch.inference_mode``, or for calls that need gradients; any other thread gets
+``F.linear`` as before.
 """
 
 from __future__ import annotations
@@ -35,27 +42,47 @@ def available() -> bool:
                                                             "_reorder_linear_weight")
 
 
+def _candidates(model: nn.Module) -> list[nn.Linear]:
+    out = []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear or name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            continue
+        w = m.weight
+        if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() and \
+                w.untyped_storage().nbytes() == w.numel() * w.element_size():
+            out.append(m)
+    return out
+
+
 class PackedLinears:
-    """Context manager over a model's fp32 ``nn.Linear`` modules on a CPU (see the
-    module docstring). ``budget_bytes``: pack only if all of them take at most this; 0 turns
-    it off. ``bytes`` is what the packed copies hold once made."""
+    """Context manager over a model's fp32 ``nn.Linear`` modules on a CPU (see the module
+    docstring). ``budget_bytes``: pack only if all of them take at most this; 0 turns it
+    off. ``bytes``: what the packed copies hold now."""
 
     ROWS_HINT = 16  # the batch the weight layout is tuned for (any row count runs)
 
     def __init__(self, model: nn.Module, budget_bytes: int):
-        mods = [m for m in model.modules() if type(m) is nn.Linear
-                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+        self.model = model
+        mods = _candidates(model) if budget_bytes > 0 and available() else []
         size = sum(m.weight.numel() * 4 for m in mods)
-        self.mods = mods if mods and size <= budget_bytes and available() else []
+        self.mods = mods if size <= budget_bytes else []
+        self.active = bool(self.mods)
         self._packed: dict[int, tuple] = {}
         self._thread = None
 
     @property
     def bytes(self) -> int:
-        return sum(hit[-1].numel() * 4 for hit in self._packed.values())
+        return sum(hit[1].numel() * 4 for hit in self._packed.values())
+
+    def reset(self) -> None:
+        """At the start of a batch: drop every copy (the weights may have changed since)
+        and pack only while the model has no forward hooks."""
+        self._packed = {}
+        self.active = bool(self.mods) and not any(
+            m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
 
     def __bool__(self) -> bool:
-        return bool(self.mods)
+        return self.active
 
     def __enter__(self):
         self._thread = threading.get_ident()
@@ -68,16 +95,19 @@ class PackedLinears:
             m.__dict__.pop("forward", None)
         self._thread = None
 
-    def packed(self, m: nn.Linear) -> torch.Tensor:
+    def packed(self, m: nn.Linear) -> torch.Tensor | None:
+        """``m``'s packed weight, made or remade as needed; None if it cannot be packed."""
         w = m.weight
-        key = (w.data_ptr(), w._version)
+        if w.is_inference():  # no version counter to watch
+            return None
+        key = (id(w), w.data_ptr(), w._version)
         hit = self._packed.get(id(m))
-        if hit is None or hit[0] is not w or hit[1] != key:
+        if hit is None or hit[0] != key:
             with torch.inference_mode(False), torch.no_grad():
-                hit = (w, key, torch.ops.mkldnn._reorder_linear_weight(w.detach(),
-                                                                       self.ROWS_HINT))
+                hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(),
+                                                                    self.ROWS_HINT))
             self._packed[id(m)] = hit
-        return hit[2]
+        return hit[1]
 
 
 class _Forward:
@@ -90,10 +120,13 @@ class _Forward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mod
-        if threading.get_ident() != self.owner._thread or x.dtype != torch.float32 or (
-                torch.is_grad_enabled() and x.requires_grad):
+        w = None
+        if threading.get_ident() == self.owner._thread and x.dtype == torch.float32 and not (
+                torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad)):
+            w = self.owner.packed(m)
+        if w is None:
             return F.linear(x, m.weight, m.bias)
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.owner.packed(m),
-                                               m.bias, "none", [None], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), w, m.bias, "none",
+                                               [None], "")
         return y.view(*shape[:-1], y.shape[-1])
