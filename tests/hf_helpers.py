@@ -91,3 +91,20 @@ def hf_greedy(hf, prompt, n):
     toks = r.sequences[0, len(prompt):].tolist()
     lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(r.logits, toks)]
     return toks, lps
+
+
+def lora_views(model, n: int = 2, seed: int = 0):
+    """LoRA (rank 4) on ``model`` and ``n`` snapshots of its adapters (``lora.adapter_view``
+    inputs), each one random step further than the last; the live adapters stay at the
+    last snapshot."""
+    from orbitrl.model.lora import adapter_parameters, apply_lora, snapshot_adapters
+
+    apply_lora(model, rank=4)
+    torch.manual_seed(seed)
+    views = []
+    with torch.no_grad():
+        for _ in range(n):
+            for p in adapter_parameters(model):
+                p.add_(torch.randn_like(p) * 0.3)
+            views.append(snapshot_adapters(model))
+    return views

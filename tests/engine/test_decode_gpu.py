@@ -7,7 +7,7 @@ import torch
 
 import orbitrl
 from orbitrl.engine import Engine, SamplingParams
-from hf_helpers import GREEDY, hf_greedy, random_prompts
+from hf_helpers import GREEDY, hf_greedy, lora_views, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -139,18 +139,10 @@ def test_adapter_views_replay_the_same_graphs_on_cuda(hf_dirs):
     """rollout.overlap samples each step from a new adapter view: the runner copies it into
     its own tensors, so the graphs captured for the first view are replayed for the next,
     and give the eager runner's tokens for each."""
-    from orbitrl.model.lora import adapter_parameters, adapter_view, apply_lora, \
-        snapshot_adapters
+    from orbitrl.model.lora import adapter_view
 
     model = orbitrl.load_model(hf_dirs["llama"][0], device="cuda")
-    apply_lora(model, rank=4)
-    torch.manual_seed(0)
-    views = []
-    with torch.no_grad():
-        for _ in range(2):
-            for p in adapter_parameters(model):
-                p.add_(torch.randn_like(p) * 0.3)
-            views.append(snapshot_adapters(model))
+    views = lora_views(model)
     prompts = random_prompts([5, 11, 7])
     params = SamplingParams(n=2, max_tokens=10, **GREEDY)
     fast = Engine(model, kv_budget_bytes=1 << 22)

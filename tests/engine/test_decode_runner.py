@@ -8,7 +8,7 @@ import torch
 import orbitrl
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.decode_runner import ReferencePagedDecode
-from hf_helpers import GREEDY, hf_greedy as _hf_greedy, random_prompts
+from hf_helpers import GREEDY, hf_greedy as _hf_greedy, lora_views, random_prompts
 
 
 def _tokens(outs):
@@ -217,18 +217,11 @@ def test_graphs_off_while_hooked_and_kept_across_adapter_views(hf_dirs):
 def test_static_runner_samples_the_adapter_view(hf_dirs):
     """Under lora.adapter_view the runner's steps use the view (copied into its tensors),
     not the live adapters: the same tokens as the general path, for two views in turn."""
-    from orbitrl.model.lora import adapter_parameters, adapter_view, apply_lora, \
-        snapshot_adapters
+    from orbitrl.model.lora import adapter_parameters, adapter_view
 
     model = orbitrl.load_model(hf_dirs["llama"][0])
-    apply_lora(model, rank=4)
-    torch.manual_seed(0)
-    views = []
+    views = lora_views(model)
     with torch.no_grad():
-        for _ in range(2):
-            for p in adapter_parameters(model):
-                p.add_(torch.randn_like(p) * 0.3)
-            views.append(snapshot_adapters(model))
         for p in adapter_parameters(model):
             p.zero_()  # the live adapters differ from both views
     prompts = random_prompts([5, 11, 7])
