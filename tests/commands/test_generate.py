@@ -101,3 +101,23 @@ def test_stop_strings(model_dir):
                                              stop=[stop]))[0].samples[0]
     assert s.finish_reason == "stop" and s.text == full.text[:cut]
     assert s.token_ids == full.token_ids[:cut + len(stop)]
+
+
+def test_cli_packed_budget(model_dir, tmp_path, capsys):
+    """--packed-mb 0 (MKL's GEMMs) writes the same greedy rows as the default (oneDNN over
+    packed copies); a negative budget is a one-line error."""
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [{"prompt": "hello"}, {"prompt": "12+30="}])
+    outs = []
+    for mb in ("512", "0"):
+        out = tmp_path / f"out{mb}.jsonl"
+        assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                     str(out), "--temperature", "0", "--max-tokens", "6", "--no-progress",
+                     "--packed-mb", mb]) == 0
+        outs.append([json.loads(x)["completion_ids"] for x in out.read_text().splitlines()])
+    assert outs[0] == outs[1]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                 str(tmp_path / "bad.jsonl"), "--packed-mb", "-1"]) == 2
+    assert "--packed-mb -1: must be 0 or more" in capsys.readouterr().err
+    assert not (tmp_path / "bad.jsonl").exists()
