@@ -66,6 +66,7 @@ class PackedLinears:
         mods = _candidates(model) if budget_bytes > 0 and available() else []
         size = sum(m.weight.numel() * 4 for m in mods)
         self.mods = mods if size <= budget_bytes else []
+        self._forwards = [(m, _Forward(self, m)) for m in self.mods]  # made once
         self.active = bool(self.mods)
         self._packed: dict[int, tuple] = {}
         self._thread = None
@@ -86,8 +87,8 @@ class PackedLinears:
 
     def __enter__(self):
         self._thread = threading.get_ident()
-        for m in self.mods:
-            m.forward = _Forward(self, m)
+        for m, fwd in self._forwards:
+            m.forward = fwd
         return self
 
     def __exit__(self, *exc):
