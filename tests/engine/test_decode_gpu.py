@@ -99,8 +99,9 @@ def test_lora_on_nf4_rollout_on_cuda(hf_dirs):
 
 
 def test_triton_kernel_is_the_default_and_matches_the_reference(hf_dirs):
-    """On CUDA the runner's attention is the Triton paged decode kernel; its tokens and
-    logprobs match the gather + SDPA reference the runner uses elsewhere."""
+    """On CUDA the engine's attention is the Triton paged kernels (decode in the runner's
+    graphs with prefix groups, prefill in the general path); its tokens and logprobs match
+    the gather + SDPA reference the engine uses elsewhere."""
     from orbitrl.engine.attention_kernels import paged_decode
     from orbitrl.engine.decode_runner import ReferencePagedDecode
 
@@ -108,9 +109,9 @@ def test_triton_kernel_is_the_default_and_matches_the_reference(hf_dirs):
     prompts = random_prompts([5, 30, 9, 21, 2])
     p = SamplingParams(n=3, max_tokens=20, **GREEDY)
     eng = Engine(model, kv_budget_bytes=1 << 22, block_size=8)
-    assert eng.decode_runner.attend is paged_decode
-    ref = Engine(model, kv_budget_bytes=1 << 22, block_size=8)
-    ref.decode_runner.attend = ReferencePagedDecode()
+    assert eng.attention_backend == "triton" and eng.decode_runner.attend.func is paged_decode
+    ref = Engine(model, kv_budget_bytes=1 << 22, block_size=8, attention_backend="torch")
+    assert isinstance(ref.decode_runner.attend, ReferencePagedDecode)
     a, b = eng.generate(prompts, p), ref.generate(prompts, p)
     assert _tokens(a) == _tokens(b)
     gap = max(abs(x - y) for oa, ob in zip(a, b) for sa, sb in zip(oa.samples, ob.samples)

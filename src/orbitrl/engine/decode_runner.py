@@ -91,22 +91,39 @@ class ReferencePagedDecode:
 
 
 def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, context_lens,
-                     window, scale):
+                     window, scale, prefix_groups=None):
     """The one call site of paged decode attention: ``attend`` has the signature of
-    ``orbitrl.engine.attention_kernels.paged_decode``."""
+    ``orbitrl.engine.attention_kernels.paged_decode`` (``prefix_groups`` is passed only
+    when given: the reference takes none)."""
     ks, vs = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
+    kw = {} if prefix_groups is None else {"prefix_groups": prefix_groups}
     return attend(q, cache.k[layer], cache.v[layer], block_tables, context_lens,
                   block_size=cache.block_size, scale=scale, window=window, k_scale=ks,
-                  v_scale=vs)
+                  v_scale=vs, **kw)
 
 
-def default_attend(device):
-    """The paged decode attention a runner on ``device`` uses by default."""
-    from orbitrl.engine.attention_kernels import paged_decode, triton_available
+def default_attend(device, backend: str = "auto"):
+    """The paged decode attention a runner on ``device`` uses: the Triton kernel for
+    ``backend`` "triton" (or "auto" on CUDA with Triton installed), else
+    :class:`ReferencePagedDecode`."""
+    from functools import partial
 
-    if device.type == "cuda" and triton_available():
-        return paged_decode
+    from orbitrl.engine.attention_kernels import paged_decode
+
+    if resolve_backend(device, backend) == "triton":
+        return partial(paged_decode, backend="triton")
     return ReferencePagedDecode()
+
+
+def resolve_backend(device, backend: str) -> str:
+    """"auto" -> "triton" on CUDA when Triton is installed, else "torch"."""
+    from orbitrl.engine.attention_kernels import triton_available
+
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend {backend!r}: choose 'auto', 'torch' or 'triton'")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
 
 
 class _StepAttention:
@@ -118,6 +135,12 @@ class _StepAttention:
         st = runner.state
         self.runner, self.cache = runner, runner.cache
         self.bt, self.ctx = st.block_tables[:b, :nb], st.context_lens[:b]
+        self.groups = None
+        if not isinstance(runner.attend, ReferencePagedDecode):
+            # the kernel reads the blocks a GRPO group shares once per group (capturable)
+            from orbitrl.engine.attention_kernels import shared_prefix_groups
+
+            self.groups = shared_prefix_groups(self.bt, self.ctx, runner.cache.block_size)
         self.valid = (self.ctx > 0)[:, None, None]
         pos, bs = st.positions[:b], runner.cache.block_size
         slots = st.block_tables[:b].gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
@@ -130,7 +153,7 @@ class _StepAttention:
         self.cache.write(layer, self.slots, k, v)
         r = self.runner
         o = decode_attention(r.attend, q[:, 0], self.cache, layer, self.bt, self.ctx,
-                             r.windows[layer], r.scale)
+                             r.windows[layer], r.scale, self.groups)
         return o[:, None]
 
 
@@ -149,7 +172,7 @@ class DecodeRunner:
     """
 
     def __init__(self, model, cache: KVCache, state: DecodeState, buckets=None,
-                 graphs: bool | None = None, attend=None):
+                 graphs: bool | None = None, attend=None, backend: str = "auto"):
         self.model, self.cache, self.state = model, cache, state
         cuda = state.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
@@ -157,7 +180,7 @@ class DecodeRunner:
                         if b < state.capacity] + [state.capacity]
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
-        self.attend = attend or default_attend(state.device)
+        self.attend = attend or default_attend(state.device, backend)
         self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
         self._graphs: dict = {}
         self._sig = None

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from orbitrl.engine.block_pool import BlockPool
-from orbitrl.engine.decode_runner import DecodeRunner
+from orbitrl.engine.decode_runner import DecodeRunner, resolve_backend
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.model_runner import ModelRunner
 from orbitrl.engine.packed import PackedLinears
@@ -71,13 +71,21 @@ class Engine:
             made a decode step 10-20% slower than the general path (docs/engine.md). Never
             for mixtures of experts (their routing is recorded on the general path).
         cuda_graphs: capture the decode runner's steps as CUDA graphs (default: on CUDA).
+        packed_bytes: CPU: budget for oneDNN-packed copies of the fp32 projections
+            (engine/packed.py); 0 turns them off.
+        attention_backend: paged attention: "triton" (the kernels of attention_kernels.py,
+            reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
+            + SDPA, fp64 on a CPU: the reference), or "auto" (Triton on CUDA when it is
+            installed, else torch). Triton on a CPU runs in its interpreter
+            (``TRITON_INTERPRET=1``), for tests.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,
                  kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  preempt: str | None = None, seed: int = 0, static_decode: bool | None = None,
-                 cuda_graphs: bool | None = None, packed_bytes: int = 512 << 20):
+                 cuda_graphs: bool | None = None, packed_bytes: int = 512 << 20,
+                 attention_backend: str = "auto"):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         dtype, device = next(model.parameters()).dtype, model.device
@@ -106,6 +114,12 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
+        # paged attention: the Triton kernels on CUDA, gather + SDPA elsewhere (the reference)
+        try:
+            self.attention_backend = resolve_backend(device, attention_backend)
+        except ValueError as e:
+            raise OrbitError(str(e)) from None
+        self.runner.backend = self.attention_backend
         # CPU: the frozen fp32 nn.Linear weights through oneDNN, packed once (packed.py)
         self.packed = PackedLinears(model, packed_bytes if device.type == "cpu" else 0)
         self.runner.packed = self.packed
@@ -116,7 +130,8 @@ class Engine:
                               else static_decode) and not moe
         self.decode = DecodeState(max_num_seqs, -(-self.max_model_len // block_size),
                                   block_size, self.max_model_len, device)
-        self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs)
+        self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs,
+                                          backend=self.attention_backend)
         self.decode_runner.packed = self.packed
         self.eos_ids = frozenset(_ids(cfg.eos_token_id)
                                  + _ids(getattr(tokenizer, "eos_token_id", None)))

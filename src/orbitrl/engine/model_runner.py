@@ -61,6 +61,7 @@ class ModelRunner:
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
         self.packed = None  # the engine's PackedLinears (CPU), entered around each step
+        self.backend = "torch"  # paged attention: "torch" (gather + SDPA) or "triton"
 
     def run(self, items: list[tuple[Sequence, int]]):
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S
@@ -86,7 +87,8 @@ class ModelRunner:
         dev = self.model.device
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],
-                                    exact=getattr(self.model, "attention_fp64", True))
+                                    exact=getattr(self.model, "attention_fp64", True),
+                                    backend=self.backend)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR

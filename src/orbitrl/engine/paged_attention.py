@@ -5,8 +5,9 @@ the model dtype or in fp8 e4m3 with one fp32 scale per (token, kv head). ``Paged
 is the decoder's attention backend for one engine step: it writes the step's new K/V into
 their slots, gathers each sequence's context with ``index_select`` and runs SDPA. Decode
 tokens (one query per sequence) go through one batched call over padded contexts; prefill
-chunks go one sequence at a time. A fused GPU kernel replaces ``PagedAttention.__call__``
-and nothing else.
+chunks go one sequence at a time. With ``backend="triton"`` (the CUDA default) the same
+calls go to the paged kernels of ``attention_kernels.py`` instead, which read the blocks
+in place: decode tokens with their GRPO prefix groups, each prefill chunk over its prefix.
 """
 
 from __future__ import annotations
@@ -112,15 +113,21 @@ class PagedAttention:
     its new tokens occupy positions start .. start + num_new - 1.
     """
 
-    def __init__(self, cache: KVCache, windows: list, scale: float, exact: bool = True):
+    def __init__(self, cache: KVCache, windows: list, scale: float, exact: bool = True,
+                 backend: str = "torch"):
         self.cache, self.windows, self.scale = cache, windows, scale
         self.exact = exact  # model.attention.sdpa: fp32 CPU attention in fp64
+        # "torch": gather + SDPA (the CPU default and the reference); "triton": the paged
+        # kernels of attention_kernels.py read the blocks in place (the CUDA default)
+        self.backend = backend
         self._masks: dict = {}
+        self._groups = None
 
     @classmethod
     def build(cls, cache: KVCache, windows: list, scale: float,
-              items: list[tuple[list[int], int, int]], exact: bool = True) -> "PagedAttention":
-        self = cls(cache, windows, scale, exact)
+              items: list[tuple[list[int], int, int]], exact: bool = True,
+              backend: str = "torch") -> "PagedAttention":
+        self = cls(cache, windows, scale, exact, backend)
         dev, bs = cache.k.device, cache.block_size
         ar = torch.arange(bs, device=dev)
         nd = 0
@@ -138,6 +145,7 @@ class PagedAttention:
             self.dec_idx = slots.reshape(-1)
             self.dec_shape = (nd, cmax)
             mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
+            dec_bt = bt
         self.prefills = []
         t0 = nd
         for table, start, num_new in items[nd:]:
@@ -148,6 +156,13 @@ class PagedAttention:
             self.prefills.append((t0, t0 + num_new, start, slots))
             t0 += num_new
         self.slot_mapping = torch.cat(mapping)
+        if backend == "triton":  # int32 block tables for the kernels
+            if nd:
+                self.dec_bt = dec_bt.int()
+                self.dec_ctx = (self.dec_pos + 1).int()
+            self.prefill_tables = [
+                torch.tensor(table[:-(-(start + num_new) // bs)], dtype=torch.int32, device=dev)
+                for table, start, num_new in items[nd:]]
         return self
 
     def _mask(self, key, window):
@@ -183,6 +198,8 @@ class PagedAttention:
         out = torch.empty_like(q)
         if q.shape[0] > real:
             out[real:].zero_()
+        if self.backend == "triton":
+            return self._kernels(layer, q, out, window)[None]
         if self.num_decode:
             b, c = self.dec_shape
             kc, vc = self.cache.read(layer, self.dec_idx)
@@ -203,3 +220,23 @@ class PagedAttention:
                      enable_gqa=hq != hkv)
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]
+
+    def _kernels(self, layer: int, q, out, window):
+        """The paged kernels: decode tokens in one call, the GRPO samples of a prompt
+        reading their shared blocks once; each prefill chunk over its paged prefix."""
+        from orbitrl.engine.attention_kernels import (paged_decode, paged_prefill,
+                                                      shared_prefix_groups)
+
+        c = self.cache
+        ks, vs = (c.k_scale[layer], c.v_scale[layer]) if c.fp8 else (None, None)
+        kw = dict(block_size=c.block_size, scale=self.scale, window=window, k_scale=ks,
+                  v_scale=vs, backend="triton")
+        if self.num_decode:
+            if self._groups is None:  # once per step, shared by the layers
+                self._groups = shared_prefix_groups(self.dec_bt, self.dec_ctx, c.block_size)
+            b = self.num_decode
+            out[:b] = paged_decode(q[:b], c.k[layer], c.v[layer], self.dec_bt, self.dec_ctx,
+                                   prefix_groups=self._groups, **kw)
+        for (t0, t1, start, _), table in zip(self.prefills, self.prefill_tables):
+            out[t0:t1] = paged_prefill(q[t0:t1], c.k[layer], c.v[layer], table, start, **kw)
+        return out
