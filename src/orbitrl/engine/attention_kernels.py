@@ -38,6 +38,7 @@ Chunked prefill calls ``paged_prefill`` once per sequence chunk, outside the gra
 from __future__ import annotations
 
 import importlib.util
+from contextlib import nullcontext
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -111,6 +112,11 @@ def _use_triton(q: torch.Tensor, backend: str) -> bool:
     raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
 
 
+def _on(q):
+    """Triton launches on the current CUDA device: make it q's."""
+    return torch.cuda.device(q.device) if q.is_cuda else nullcontext()
+
+
 def _check(q, k_cache, k_scale, v_scale):
     if q.shape[-2] % k_cache.shape[1]:
         raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k_cache.shape[1]} "
@@ -142,10 +148,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size,
     if _use_triton(q, backend):
         from orbitrl.engine import triton_attention
 
-        return triton_attention.decode(q, k_cache, v_cache, block_tables, context_lens,
-                                       block_size=block_size, scale=scale, window=window,
-                                       k_scale=k_scale, v_scale=v_scale,
-                                       num_splits=num_splits, groups=prefix_groups)
+        with _on(q):
+            return triton_attention.decode(q, k_cache, v_cache, block_tables, context_lens,
+                                           block_size=block_size, scale=scale, window=window,
+                                           k_scale=k_scale, v_scale=v_scale,
+                                           num_splits=num_splits, groups=prefix_groups)
     return paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens,
                               block_size=block_size, scale=scale, window=window,
                               k_scale=k_scale, v_scale=v_scale)
@@ -199,9 +206,10 @@ def paged_prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale,
     if _use_triton(q, backend):
         from orbitrl.engine import triton_attention
 
-        return triton_attention.prefill(q, k_cache, v_cache, block_table, start,
-                                        block_size=block_size, scale=scale, window=window,
-                                        k_scale=k_scale, v_scale=v_scale)
+        with _on(q):
+            return triton_attention.prefill(q, k_cache, v_cache, block_table, start,
+                                            block_size=block_size, scale=scale,
+                                            window=window, k_scale=k_scale, v_scale=v_scale)
     return paged_prefill_torch(q, k_cache, v_cache, block_table, start, block_size=block_size,
                                scale=scale, window=window, k_scale=k_scale, v_scale=v_scale)
 

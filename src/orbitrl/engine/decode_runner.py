@@ -119,10 +119,18 @@ def resolve_backend(device, backend: str) -> str:
     """"auto" -> "triton" on CUDA when Triton is installed, else "torch"."""
     from orbitrl.engine.attention_kernels import triton_available
 
+    import os
+
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {backend!r}: choose 'auto', 'torch' or 'triton'")
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("attention backend 'triton': the triton package is not installed")
+    if backend == "triton" and device.type != "cuda" and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention backend 'triton' on a CPU runs only in Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 before starting")
     return backend
 
 
@@ -136,7 +144,7 @@ class _StepAttention:
         self.runner, self.cache = runner, runner.cache
         self.bt, self.ctx = st.block_tables[:b, :nb], st.context_lens[:b]
         self.groups = None
-        if not isinstance(runner.attend, ReferencePagedDecode):
+        if runner.grouped:
             # the kernel reads the blocks a GRPO group shares once per group (capturable)
             from orbitrl.engine.attention_kernels import shared_prefix_groups
 
@@ -188,6 +196,7 @@ class DecodeRunner:
         self.viewing = False  # this generate samples through an adapter view
         self.capture = self.graphs  # this generate's choice (begin)
         self.packed = None  # the engine's PackedLinears (CPU only)
+        self.grouped = False  # this step passes prefix groups to the kernel (run)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -259,6 +268,11 @@ class DecodeRunner:
         st = self.state
         n = st.n
         b, filtered = self.bucket(n), st.filtered > 0
+        # prefix groups where neighbouring rows share a first block (a GRPO request's
+        # samples), for the kernel only; a graph is captured per choice
+        seqs = st.seqs
+        self.grouped = not isinstance(self.attend, ReferencePagedDecode) and any(
+            a.block_table[0] == c.block_table[0] for a, c in zip(seqs, seqs[1:]))
         if st.grown:
             self.invalidate()
             st.grown = False
@@ -266,11 +280,11 @@ class DecodeRunner:
             nb = int(st.nblk_h[:n].max())  # eager: gather only up to the longest row
             self._step(b, nb, filtered)
         else:
-            self._replay(b, filtered)
+            self._replay(b, filtered, self.grouped)
         return self.out[:n].tolist()
 
-    def _replay(self, b: int, filtered: bool) -> None:
-        key = (b, filtered, self.cache.k.data_ptr())
+    def _replay(self, b: int, filtered: bool, grouped: bool) -> None:
+        key = (b, filtered, grouped, self.cache.k.data_ptr())
         g = self._graphs.get(key)
         if g is not None:
             g.replay()

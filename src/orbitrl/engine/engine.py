@@ -77,7 +77,9 @@ class Engine:
             reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
             + SDPA, fp64 on a CPU: the reference), or "auto" (Triton on CUDA when it is
             installed, else torch). Triton on a CPU runs in its interpreter
-            (``TRITON_INTERPRET=1``), for tests.
+            (``TRITON_INTERPRET=1``), for tests; it computes in fp32, so there
+            ``model.attention_fp64`` (rollout logprobs bit-equal to the trainer's) does not
+            hold.
     """
 
     def __init__(self, model, tokenizer=None, *, kv_budget_bytes: int | None = None,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from orbitrl.engine.decode_runner import resolve_backend
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
 from orbitrl.model.decoder import inference_safe
@@ -61,7 +62,8 @@ class ModelRunner:
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
         self.packed = None  # the engine's PackedLinears (CPU), entered around each step
-        self.backend = "torch"  # paged attention: "torch" (gather + SDPA) or "triton"
+        # paged attention: "triton" (the kernels, the CUDA default) or "torch" (gather + SDPA)
+        self.backend = resolve_backend(model.device, "auto")
 
     def run(self, items: list[tuple[Sequence, int]]):
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S

@@ -1,4 +1,5 @@
-"""The paged KV cache and attention over it, in plain PyTorch (runs on CPU).
+"""The paged KV cache and attention over it: plain PyTorch (the CPU path and the reference)
+or the paged Triton kernels.
 
 ``KVCache`` holds every layer's K and V slot-major (``k[layer]: [num_slots, Hkv, D]``), in
 the model dtype or in fp8 e4m3 with one fp32 scale per (token, kv head). ``PagedAttention``
@@ -140,13 +141,20 @@ class PagedAttention:
             bt = torch.tensor([it[0] + [0] * (nb - len(it[0])) for it in items[:nd]],
                               dtype=torch.long, device=dev)
             self.dec_pos = torch.tensor([it[1] for it in items[:nd]], device=dev)  # [B]
-            cmax = int(self.dec_pos.max()) + 1
-            slots = (bt[:, :, None] * bs + ar).reshape(nd, -1)[:, :cmax]  # [B, C]
-            self.dec_idx = slots.reshape(-1)
-            self.dec_shape = (nd, cmax)
-            mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
-            dec_bt = bt
-        self.prefills = []
+            if backend == "triton":  # int32 tables and context lengths for the kernel
+                mapping.append(bt.gather(1, (self.dec_pos // bs)[:, None])[:, 0] * bs
+                               + self.dec_pos % bs)
+                self.dec_bt, self.dec_ctx = bt.int(), (self.dec_pos + 1).int()
+                # prefix groups only where neighbours share a first block (a GRPO
+                # request's samples); else the kernel's one-pass path
+                self.dec_grouped = any(a[0][0] == b[0][0] for a, b in zip(items, items[1:nd]))
+            else:
+                cmax = max(it[1] for it in items[:nd]) + 1
+                slots = (bt[:, :, None] * bs + ar).reshape(nd, -1)[:, :cmax]  # [B, C]
+                self.dec_idx = slots.reshape(-1)
+                self.dec_shape = (nd, cmax)
+                mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
+        self.prefills, self.prefill_tables = [], []
         t0 = nd
         for table, start, num_new in items[nd:]:
             ctx = start + num_new
@@ -154,15 +162,10 @@ class PagedAttention:
             slots = (bt[:, None] * bs + ar).reshape(-1)[:ctx]
             mapping.append(slots[start:])
             self.prefills.append((t0, t0 + num_new, start, slots))
+            if backend == "triton":
+                self.prefill_tables.append(bt.int())
             t0 += num_new
         self.slot_mapping = torch.cat(mapping)
-        if backend == "triton":  # int32 block tables for the kernels
-            if nd:
-                self.dec_bt = dec_bt.int()
-                self.dec_ctx = (self.dec_pos + 1).int()
-            self.prefill_tables = [
-                torch.tensor(table[:-(-(start + num_new) // bs)], dtype=torch.int32, device=dev)
-                for table, start, num_new in items[nd:]]
         return self
 
     def _mask(self, key, window):
@@ -232,7 +235,7 @@ class PagedAttention:
         kw = dict(block_size=c.block_size, scale=self.scale, window=window, k_scale=ks,
                   v_scale=vs, backend="triton")
         if self.num_decode:
-            if self._groups is None:  # once per step, shared by the layers
+            if self._groups is None and self.dec_grouped:  # once per step, for every layer
                 self._groups = shared_prefix_groups(self.dec_bt, self.dec_ctx, c.block_size)
             b = self.num_decode
             out[:b] = paged_decode(q[:b], c.k[layer], c.v[layer], self.dec_bt, self.dec_ctx,

@@ -260,8 +260,12 @@ def _dot_dtype(q):
 
 
 def _block_n(q) -> int:
-    # 64 keys per tile on a GPU; 16 under the interpreter, so small tests cross many tiles
-    return 64 if q.is_cuda else 16
+    # 64 keys per tile on a GPU (32 for fp32 heads wider than 64: K and V tiles of
+    # 64 x 128 fp32, pipelined, would crowd an SM's shared memory); 16 under the
+    # interpreter, so small tests cross many tiles
+    if not q.is_cuda:
+        return 16
+    return 32 if q.dtype == torch.float32 and q.shape[-1] > 64 else 64
 
 
 def auto_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
