@@ -64,10 +64,10 @@ def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     as gathered from a slot-major cache; allowed: bool, broadcastable to [B, Hkv, G, C]
     (every row allows at least one key). Returns [B, Hkv, G, D].
 
-    Why not ``sdpa``: PyTorch's fp64 CPU attention kernel is scalar; at a decode step's
-    shapes (a few queries per head, contexts of a few hundred) it took 1.8 ms per layer at
-    batch 9, where two batched fp64 GEMMs over [B * Hkv] heads and a softmax take about a
-    quarter of that. The transposes are folded into the fp64 copies."""
+    Why not ``sdpa``: at a decode step's shapes (a few queries per head) two batched fp64
+    GEMMs over the [B * Hkv] heads and a softmax, with the transposes folded into the fp64
+    copies, cost less than fp64 SDPA's CPU kernel; in the small model's rollout the
+    attention time moved from 1.07-1.14 s to 1.03-1.09 s (of about 5 s)."""
     b, c, hkv, d = k.shape
     g = q.shape[2]
     k64 = torch.empty(b, hkv, c, d, dtype=torch.float64, device=k.device)
