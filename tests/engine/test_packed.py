@@ -1,6 +1,6 @@
 """The engine's oneDNN path for frozen fp32 nn.Linear weights on a CPU (engine/packed.py):
 the same outputs as F.linear to fp32 rounding, each row's bits independent of the row count,
-a weight changed in place seen at once, F.linear for other threads and for calls that need
+a weight changed in place seen at the next step, F.linear for other threads and for calls that need
 gradients, and the engine's tokens and logprobs unchanged."""
 
 import threading
@@ -37,7 +37,41 @@ def test_packed_linear_matches_f_linear_and_is_row_invariant(hf_dirs):
             assert torch.equal(m(x[:rows]), full[:rows]), rows
         assert torch.equal(m(x[None, :7]), full[None, :7])  # leading dims kept
     assert "forward" not in m.__dict__  # the class's forward again
-    assert packed.bytes == m.weight.numel() * 4
+    attn = model.model.layers[0].self_attn  # q, k, v packed as one weight
+    assert packed.bytes == sum(p.weight.numel() * 4 for p in (attn.q_proj, attn.k_proj,
+                                                               attn.v_proj))
+
+
+def test_sibling_projections_run_as_one_gemm(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    packed = PackedLinears(model, 1 << 30)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    units = {tuple(id(m) for m in u) for u in packed.units}
+    assert tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))) in units
+    assert tuple(map(id, (mlp.gate_proj, mlp.up_proj))) in units
+    assert (id(attn.o_proj),) in units and (id(mlp.down_proj),) in units
+    x = torch.randn(1, 7, attn.q_proj.in_features)
+    with torch.inference_mode(), packed:
+        outs = [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        # one GEMM: k and v are columns of the output q came from
+        base = outs[0].untyped_storage().data_ptr()
+        assert all(o.untyped_storage().data_ptr() == base for o in outs)
+        for p, o in zip((attn.q_proj, attn.k_proj, attn.v_proj), outs):
+            assert o.shape == (1, 7, p.out_features)
+            torch.testing.assert_close(o, F.linear(x, p.weight, p.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), packed:
+        y = torch.randn(1, 7, attn.q_proj.in_features)
+        k_alone = attn.k_proj(y)  # another input, k first: the group's GEMM again
+        assert torch.equal(k_alone, attn.k_proj(y)) and torch.equal(attn.q_proj(y)[0, :3],
+                                                                   attn.q_proj(y[:, :3])[0])
+        torch.testing.assert_close(k_alone, F.linear(y, attn.k_proj.weight, attn.k_proj.bias),
+                                   rtol=1e-5, atol=1e-5)
+        y.add_(1)  # changed in place: not served from the step's outputs
+        torch.testing.assert_close(attn.v_proj(y), F.linear(y, attn.v_proj.weight,
+                                                            attn.v_proj.bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert not packed._stash  # dropped at the end of the step
 
 
 def test_weight_changed_in_place_is_seen_and_other_callers_get_f_linear(hf_dirs):
@@ -45,10 +79,12 @@ def test_weight_changed_in_place_is_seen_and_other_callers_get_f_linear(hf_dirs)
     m = model.lm_head
     packed = PackedLinears(model, 1 << 30)
     x = torch.randn(5, m.in_features)
-    with torch.no_grad(), packed:
-        before = m(x)
-        m.weight.mul_(-2)  # an optimizer step, in place
-        after = m(x)
+    with torch.no_grad():
+        with packed:
+            before = m(x)
+        m.weight.mul_(-2)  # an optimizer step between two steps, in place
+        with packed:
+            after = m(x)
         torch.testing.assert_close(after, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(before, after)
         other = {}
@@ -108,6 +144,33 @@ def test_weights_changed_without_a_version_are_seen_at_the_next_generate(hf_dirs
     assert [o.samples[0].token_ids for o in a] == [o.samples[0].token_ids for o in b]
 
 
+def test_copies_are_kept_across_batches_until_a_weight_moves(hf_dirs):
+    model = _frozen_model(hf_dirs)
+    prompts, params = random_prompts([6, 9]), SamplingParams(max_tokens=4, **GREEDY)
+    eng = Engine(model, kv_budget_bytes=1 << 20)
+    ref = Engine(model, kv_budget_bytes=1 << 20, packed_bytes=0)
+    eng.generate(prompts, params)
+    first = {i: hit[2] for i, hit in eng.packed._packed.items()}
+    assert len(first) == len(eng.packed.units) and eng.summary()["packed_seconds"] > 0
+    eng.generate(prompts, params)  # nothing changed: the same copies serve the next batch
+    assert all(eng.packed._packed[i][2] is t for i, t in first.items())
+    # a fused optimizer step bumps no version: only the fingerprint sees it
+    head = model.lm_head.weight
+    version = head._version
+    opt = torch.optim.Adam([head], lr=1e-2, fused=True)
+    head.grad = torch.randn_like(head)
+    opt.step()
+    head.grad = None
+    assert head._version == version
+    a, b = eng.generate(prompts, params), ref.generate(prompts, params)
+    assert [o.samples[0].token_ids for o in a] == [o.samples[0].token_ids for o in b]
+    kept = [i for i, t in first.items() if eng.packed._packed[i][2] is t]
+    head_unit = next(id(u) for u in eng.packed.units if u == (model.lm_head,))
+    assert head_unit not in kept and len(kept) == len(first) - 1
+    eng.weights_changed(recompute=False)  # drops every copy
+    assert eng.packed.bytes == 0
+
+
 def test_weights_made_in_inference_mode_run_unpacked(hf_dirs):
     with torch.inference_mode():
         model = orbitrl.load_model(hf_dirs["qwen2"][0])
@@ -129,3 +192,25 @@ def test_engine_with_and_without_packing(hf_dirs):
             assert sa.token_ids == sb.token_ids
             assert max(abs(x - y) for x, y in zip(sa.raw_logprobs, sb.raw_logprobs)) < 1e-5
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_fused_group_with_mixed_biases_and_a_missing_member():
+    torch.manual_seed(0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(8, 6), nn.Linear(8, 4, bias=False), \
+        nn.Linear(8, 4)
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(8, 5), nn.Linear(6, 5)  # widths differ: alone
+    model = nn.Sequential(attn, mlp)
+    packed = PackedLinears(model, 1 << 20)
+    assert [len(u) for u in packed.units] == [3, 1, 1]
+    x = torch.randn(3, 8)
+    with torch.no_grad(), packed:
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj):
+            torch.testing.assert_close(p(x), F.linear(x, p.weight, p.bias), rtol=1e-5,
+                                       atol=1e-6)
+        with torch.no_grad():
+            attn.k_proj.weight.add_(1)
+    with torch.no_grad(), packed:  # the next step sees the change
+        torch.testing.assert_close(attn.k_proj(x), F.linear(x, attn.k_proj.weight),
+                                   rtol=1e-5, atol=1e-6)

@@ -84,3 +84,31 @@ def test_uniforms_match_python_splitmix_and_are_uniform():
     # different samples of one seed are not the same stream
     v = uniforms(torch.full((1000,), row_key(3, 5)), torch.arange(1000))
     assert (u[:1000] != v).float().mean() > 0.99
+
+
+def test_host_flags_give_the_general_paths_bits():
+    """``all_raw`` (every row at temperature 1, unfiltered: one exp over [B, V]),
+    ``any_greedy=False`` (no argmax) and a kept ``work`` buffer give the same tokens and
+    logprobs, bit for bit, as the general path; ``sample`` sets the flags from the params."""
+    from orbitrl.engine.sampler import row_params, sample_rows
+
+    torch.manual_seed(3)
+    x = torch.randn(9, 1000) * 3
+    params = [SamplingParams(temperature=1.0)] * 9
+    keys = [row_key(0, j) for j in range(9)]
+    u = uniforms(torch.tensor(keys), torch.full((9,), 5))
+    kw = row_params(params, x.device)
+    general = sample_rows(x, u=u, **kw)
+    fast = sample_rows(x, u=u, **kw, all_raw=True, any_greedy=False)
+    work = torch.full((2 * x.numel() + 5,), float("nan"))  # a kept buffer, stale contents
+    in_work = sample_rows(x, u=u, **kw, all_raw=True, any_greedy=False, work=work)
+    for a, b, c in zip(general, fast, in_work):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    via_params = sample(x, params, keys, [5] * 9)
+    assert torch.equal(via_params[0], general[0]) and torch.equal(via_params[2], general[2])
+    # a greedy row or another temperature in the batch: the general path
+    mixed = [SamplingParams(temperature=0)] + [SamplingParams(temperature=0.5)] * 8
+    tok, lp, _ = sample(x, mixed, keys, [5] * 9)
+    assert tok[0] == x[0].argmax() and lp[0] == 0
+    assert torch.allclose(lp[1:], torch.log_softmax(x[1:] * 2, -1).gather(1, tok[1:, None])[:, 0],
+                          atol=1e-5)

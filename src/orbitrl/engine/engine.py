@@ -72,7 +72,11 @@ class Engine:
             for mixtures of experts (their routing is recorded on the general path).
         cuda_graphs: capture the decode runner's steps as CUDA graphs (default: on CUDA).
         packed_bytes: CPU: budget for oneDNN-packed copies of the fp32 projections
-            (engine/packed.py); 0 turns them off.
+            (engine/packed.py: q/k/v and gate/up packed as one GEMM each; kept across
+            batches while the weights do not change); 0 turns them off. With them, the
+            engine's attention runs in fp32 (fp64 buys bit-equality with the trainer's
+            logprobs only with the trainer's GEMMs) and the sampler keeps its [B, V]
+            buffers between steps. An RL run's rollout engine passes 0.
         attention_backend: paged attention: "triton" (the kernels of attention_kernels.py,
             reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
             + SDPA, fp64 on a CPU: the reference), or "auto" (Triton on CUDA when it is
@@ -125,6 +129,7 @@ class Engine:
         # CPU: the frozen fp32 nn.Linear weights through oneDNN, packed once (packed.py)
         self.packed = PackedLinears(model, packed_bytes if device.type == "cpu" else 0)
         self.runner.packed = self.packed
+        self._work = None  # the sampler's buffer (_sample_work)
         # mixtures run the general path: the expert grouping reads token counts on the host
         # (no graph capture) and the general path records the routing for replay
         moe = getattr(cfg, "moe", None) is not None
@@ -285,7 +290,7 @@ class Engine:
         the samples cut."""
         self.pool.reset_prefix_cache()
         self.decode.reset()
-        self.packed.reset()
+        self.packed.reset(keep=False)
         if not recompute:
             return 0
         sch = self.scheduler
@@ -415,7 +420,8 @@ class Engine:
         if rows != list(range(len(seqs))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         toks, lps, raws = sample(logits, [s.params for s in targets], [s.key for s in targets],
-                                 [s.num_completion for s in targets])
+                                 [s.num_completion for s in targets],
+                                 work=self._sample_work(2 * logits.numel()))
         finished = []
         for seq, t, lp, raw in zip(targets, toks.tolist(), lps.tolist(), raws.tolist()):
             seq.token_ids.append(t)
@@ -430,6 +436,19 @@ class Engine:
                 self._done.setdefault(seq.req_index, []).append(seq)
                 finished.append(seq)
         return finished
+
+    SAMPLE_WORK_BYTES = 128 << 20
+
+    def _sample_work(self, numel: int) -> torch.Tensor | None:
+        """The sampler's [B, V] intermediates, kept between steps (a fresh tensor pays its
+        page faults at every step on a CPU): with the CPU fast path only (the engine's
+        packed weights, ``packed_bytes`` > 0; an RL rollout engine keeps to what the memory
+        ledger prices), up to SAMPLE_WORK_BYTES; grown as needed, held by the engine."""
+        if not self.packed.mods or numel * 4 > self.SAMPLE_WORK_BYTES:
+            return None
+        if self._work is None or self._work.numel() < numel:
+            self._work = torch.empty(numel, dtype=torch.float32)
+        return self._work
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -529,6 +548,7 @@ class Engine:
                  blocks_allocated=self.pool.allocated, prefix_hits=self.pool.prefix_hits,
                  cow=self.pool.cow, preemptions=self.scheduler.num_preempted,
                  swaps=self.scheduler.num_swapped, packed_bytes=self.packed.bytes,
+                 packed_seconds=self.packed.seconds,
                  parked_evictions=self.scheduler.num_parked_evicted)
         s["tokens_per_s"] = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
         return s

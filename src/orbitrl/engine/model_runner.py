@@ -87,10 +87,13 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 done.append(seq)
         dev = self.model.device
+        # fp64 attention (model.attention_fp64) makes the rollout's logprobs the trainer's
+        # to the bit, with the trainer's GEMMs; oneDNN's packed GEMMs (packed.py) round
+        # differently anyway, so with them attention stays in fp32 (a third of the time)
+        exact = getattr(self.model, "attention_fp64", True) and not self.packed
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],
-                                    exact=getattr(self.model, "attention_fp64", True),
-                                    backend=self.backend)
+                                    exact=exact, backend=self.backend)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR

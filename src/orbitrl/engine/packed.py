@@ -13,11 +13,15 @@ the CPU that a forward calls (a loaded model's projections and head, a LoRA modu
 base layer; not the LoRA A/B matrices, which the LoRA module multiplies itself, nor weights
 that are views into a larger tensor, such as a mixture's stacked experts) and, while a step
 runs (``with packed:``), routes their forward in the engine's thread through a packed copy
-made at the first call. The copies are dropped at the start of every ``generate`` (and of a
-stream, and on ``Engine.weights_changed``), so each batch samples the weights as they are
-then; within a batch a copy is remade if its weight becomes another tensor or storage or
-its version moves. (An in-place change that bumps no version, ``p.data.copy_`` or a fused
-optimizer step, is seen from the next ``generate`` on.)
+made at the first call. At each step a copy is remade if its weight has become another
+tensor or storage or its version has moved. At the start of every ``generate`` (and of a stream) each
+copy is also checked against its weight's content: a fingerprint taken when the copy was
+made (the bits summed as 64-bit words along rows and columns, two reads of the weight:
+about 20 ms for 156 MB on one core) is taken again, and a copy whose weight moved is dropped. So an
+in-place change that bumps no version (``p.data.copy_``, a fused optimizer step) is seen
+from the next ``generate`` on, and an unchanged model is packed once, not at every batch
+(packing a 32000 x 512 head took 0.1-0.4 s on one core, most of it first-touch page
+faults). ``Engine.weights_changed`` drops every copy.
 
 Memory: one packed copy of those weights, held by the engine, only when they fit the budget
 (``Engine(packed_bytes=...)``, 512 MiB by default; an RL run's rollout engine packs nothing,
@@ -30,6 +34,7 @@ under ``torch.inference_mode``, or for calls that need gradients; any other thre
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 import torch.nn as nn
@@ -54,6 +59,26 @@ def _candidates(model: nn.Module) -> list[nn.Linear]:
     return out
 
 
+# sibling projections that a forward calls one after another on the same input: packed as
+# one weight, one GEMM for the group (the first member's call computes all of them)
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _units(model: nn.Module, mods: list[nn.Linear]) -> list[tuple[nn.Linear, ...]]:
+    """``mods`` as packing units: the FUSED sibling groups whose members are all there with
+    one input width, and every other module alone."""
+    left = {id(m) for m in mods}
+    units = []
+    for parent in model.modules():
+        for names in FUSED:
+            group = tuple(getattr(parent, n, None) for n in names)
+            if all(isinstance(m, nn.Linear) and id(m) in left for m in group) and \
+                    len({m.in_features for m in group}) == 1:
+                units.append(group)
+                left -= {id(m) for m in group}
+    return units + [(m,) for m in mods if id(m) in left]
+
+
 class PackedLinears:
     """Context manager over a model's fp32 ``nn.Linear`` modules on a CPU (see the module
     docstring). ``budget_bytes``: pack only if all of them take at most this; 0 turns it
@@ -66,19 +91,35 @@ class PackedLinears:
         mods = _candidates(model) if budget_bytes > 0 and available() else []
         size = sum(m.weight.numel() * 4 for m in mods)
         self.mods = mods if size <= budget_bytes else []
-        self._forwards = [(m, _Forward(self, m)) for m in self.mods]  # made once
+        self.units = _units(model, self.mods)
+        self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
+                          for i, m in enumerate(unit)]  # made once
         self.active = bool(self.mods)
+        # id(unit) -> (keys, fingerprint, packed weight, bias or None, member widths)
         self._packed: dict[int, tuple] = {}
+        # id(fused unit) -> (input, its version, every member's output), within one step
+        self._stash: dict[int, tuple] = {}
+        self._checked: dict[int, tuple] = {}
         self._thread = None
+        self.seconds = 0.0  # spent making copies and checking them
 
     @property
     def bytes(self) -> int:
-        return sum(hit[1].numel() * 4 for hit in self._packed.values())
+        return sum(hit[2].numel() * 4 for hit in self._packed.values())
 
-    def reset(self) -> None:
-        """At the start of a batch: drop every copy (the weights may have changed since)
+    def reset(self, keep: bool = True) -> None:
+        """At the start of a batch: keep the copies whose weights are the same tensors,
+        storages and versions with the same fingerprints (``keep=False``: drop every copy),
         and pack only while the model has no forward hooks."""
-        self._packed = {}
+        t0 = time.perf_counter()
+        if keep:
+            units = {id(u): u for u in self.units}
+            self._packed = {i: hit for i, hit in self._packed.items()
+                            if _keys(units[i]) == hit[0]
+                            and torch.equal(_fingerprint(units[i]), hit[1])}
+        else:
+            self._packed = {}
+        self.seconds += time.perf_counter() - t0
         self.active = bool(self.mods) and not any(
             m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
 
@@ -87,47 +128,108 @@ class PackedLinears:
 
     def __enter__(self):
         self._thread = threading.get_ident()
+        self._checked = {}  # id(unit) -> its copy, checked once this step
         for m, fwd in self._forwards:
-            m.forward = fwd
+            m.__dict__["forward"] = fwd  # an instance attribute (not a parameter or module)
         return self
 
     def __exit__(self, *exc):
-        for m in self.mods:
+        for m, _ in self._forwards:
             m.__dict__.pop("forward", None)
+        self._stash, self._checked = {}, {}
         self._thread = None
 
-    def packed(self, m: nn.Linear) -> torch.Tensor | None:
-        """``m``'s packed weight, made or remade as needed; None if it cannot be packed."""
-        w = m.weight
-        if w.is_inference():  # no version counter to watch
+    def packed(self, unit: tuple[nn.Linear, ...]) -> tuple | None:
+        """``unit``'s (packed weight, bias, each member's columns or None), made or remade as needed; None if
+        it cannot be packed. Checked against the weights once per step."""
+        got = self._checked.get(id(unit))
+        if got is not None:
+            return got
+        if any(m.weight.is_inference() for m in unit):  # no version counter to watch
             return None
-        key = (id(w), w.data_ptr(), w._version)
-        hit = self._packed.get(id(m))
-        if hit is None or hit[0] != key:
+        keys = _keys(unit)
+        hit = self._packed.get(id(unit))
+        if hit is None or hit[0] != keys:
+            t0 = time.perf_counter()
             with torch.inference_mode(False), torch.no_grad():
-                hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(),
-                                                                    self.ROWS_HINT))
-            self._packed[id(m)] = hit
-        return hit[1]
+                ws = [m.weight.detach() for m in unit]
+                w = ws[0] if len(unit) == 1 else torch.cat(ws)
+                bias = None
+                if any(m.bias is not None for m in unit):
+                    bias = torch.cat([m.bias.detach() if m.bias is not None else
+                                      m.weight.new_zeros(m.out_features) for m in unit])
+                sizes = [m.out_features for m in unit] if len(unit) > 1 else None
+                hit = (keys, _fingerprint(unit),
+                       torch.ops.mkldnn._reorder_linear_weight(w, self.ROWS_HINT), bias,
+                       sizes)
+            self._packed[id(unit)] = hit
+            self.seconds += time.perf_counter() - t0
+        self._checked[id(unit)] = got = hit[2:]
+        return got
+
+
+def _keys(unit) -> tuple:
+    # a bias changed in place moves its version (a fused copy holds its own bias)
+    return tuple((id(m.weight), m.weight.data_ptr(), m.weight._version,
+                  None if m.bias is None else (id(m.bias), m.bias._version)) for m in unit)
+
+
+def _fingerprint(unit) -> torch.Tensor:
+    """The weights' bits as 64-bit words (wrapping), summed along each row and along each
+    column of the layout in memory, for every module of the unit (two reads of the weight):
+    a change that keeps every row and column sum mod 2**64 (values swapped between equal
+    ones at the corners of a rectangle, say) goes unseen; a flip, a shuffle or an update
+    does not."""
+    out = []
+    with torch.inference_mode(False), torch.no_grad():
+        for m in unit:
+            w = m.weight.detach()
+            if not w.is_contiguous() and w.t().is_contiguous():
+                w = w.t()  # a column-major head (Decoder.head_column_major): its columns
+            if w.is_contiguous() and w.shape[1] % 2 == 0 and w.data_ptr() % 8 == 0:
+                bits = w.view(torch.int64)
+                out += [bits.sum(1), bits.sum(0)]
+            else:
+                bits = w.reshape(w.shape[0], -1).view(torch.int32)
+                out += [bits.sum(1, dtype=torch.int64), bits.sum(0, dtype=torch.int64)]
+    return torch.cat(out)
 
 
 class _Forward:
-    """A module's forward while packed: oneDNN in the engine's thread, F.linear elsewhere."""
+    """A module's forward while packed: oneDNN in the engine's thread, F.linear elsewhere.
+    A fused group's first call on an input computes every member's output and keeps them,
+    for the step, for the other members' calls on that same input."""
 
-    __slots__ = ("owner", "mod")
+    __slots__ = ("owner", "unit", "index", "mod")
 
-    def __init__(self, owner: PackedLinears, mod: nn.Linear):
-        self.owner, self.mod = owner, mod
+    def __init__(self, owner: PackedLinears, unit: tuple[nn.Linear, ...], index: int):
+        self.owner, self.unit, self.index = owner, unit, index
+        self.mod = unit[index]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mod
-        w = None
+        hit = None
         if threading.get_ident() == self.owner._thread and x.dtype == torch.float32 and not (
                 torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad)):
-            w = self.owner.packed(m)
-        if w is None:
+            st = self.owner._stash.get(id(self.unit))
+            if st is not None and st[0] is x and st[1] == _version(x):
+                return st[2][self.index]
+            hit = self.owner.packed(self.unit)
+        if hit is None:
             return F.linear(x, m.weight, m.bias)
+        w, bias, sizes = hit
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), w, m.bias, "none",
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), w, bias, "none",
                                                [None], "")
-        return y.view(*shape[:-1], y.shape[-1])
+        y = y.view(*shape[:-1], y.shape[-1])
+        if sizes is None:
+            return y
+        outs = y.split(sizes, -1)
+        self.owner._stash[id(self.unit)] = (x, _version(x), outs)
+        return outs[self.index]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """An input's version (an inference tensor has none: within one step the decoder does
+    not change a projection's input between the calls of a fused group)."""
+    return None if x.is_inference() else x._version
