@@ -214,3 +214,40 @@ def test_fused_group_with_mixed_biases_and_a_missing_member():
     with torch.no_grad(), packed:  # the next step sees the change
         torch.testing.assert_close(attn.k_proj(x), F.linear(x, attn.k_proj.weight),
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_bias_changed_without_a_version_is_seen_at_the_next_batch():
+    torch.manual_seed(1)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(8, 6), nn.Linear(8, 4), nn.Linear(8, 4)
+    attn.o_proj = nn.Linear(6, 8)
+    packed = PackedLinears(attn, 1 << 20)
+    x, h = torch.randn(3, 8), torch.randn(3, 6)
+    with torch.no_grad(), packed:
+        attn.k_proj(x), attn.o_proj(h)
+    for p in (attn.k_proj.bias, attn.o_proj.bias):
+        version = p._version
+        p.data.add_(1)  # no version bump
+        assert p._version == version
+    packed.reset()  # the next batch
+    with torch.no_grad(), packed:
+        for m, inp in ((attn.k_proj, x), (attn.o_proj, h)):
+            torch.testing.assert_close(m(inp), F.linear(inp, m.weight, m.bias), rtol=1e-5,
+                                       atol=1e-6)
+
+
+def test_one_fused_output_is_held_at_a_time():
+    torch.manual_seed(2)
+    layers = [nn.Module() for _ in range(3)]
+    for m in layers:
+        m.gate_proj, m.up_proj = nn.Linear(8, 16), nn.Linear(8, 16)
+    model = nn.Sequential(*layers)
+    packed = PackedLinears(model, 1 << 20)
+    x = torch.randn(5, 8)
+    with torch.no_grad(), packed:
+        for m in layers:
+            g, u = m.gate_proj(x), m.up_proj(x)
+            torch.testing.assert_close(u, F.linear(x, m.up_proj.weight, m.up_proj.bias),
+                                       rtol=1e-5, atol=1e-6)
+        # only the last unit's outputs are kept (not one entry per layer)
+        assert packed._stash[0] == id(packed.units[-1]) and packed._stash[1] is x

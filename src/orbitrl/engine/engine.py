@@ -79,7 +79,8 @@ class Engine:
             buffers between steps. An RL run's rollout engine passes 0.
         attention_backend: paged attention: "triton" (the kernels of attention_kernels.py,
             reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
-            + SDPA, fp64 on a CPU: the reference), or "auto" (Triton on CUDA when it is
+            + SDPA: the reference; on a CPU fp64 with the trainer's GEMMs, fp32 with packed
+            ones), or "auto" (Triton on CUDA when it is
             installed, else torch). Triton on a CPU runs in its interpreter
             (``TRITON_INTERPRET=1``), for tests; it computes in fp32, so there
             ``model.attention_fp64`` (rollout logprobs bit-equal to the trainer's) does not

@@ -89,7 +89,8 @@ class ModelRunner:
         dev = self.model.device
         # fp64 attention (model.attention_fp64) makes the rollout's logprobs the trainer's
         # to the bit, with the trainer's GEMMs; oneDNN's packed GEMMs (packed.py) round
-        # differently anyway, so with them attention stays in fp32 (a third of the time)
+        # differently anyway, so with them attention stays in fp32 (a third of the time;
+        # ``packed`` is false when nothing would pack: weights made in inference mode)
         exact = getattr(self.model, "attention_fp64", True) and not self.packed
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],

@@ -97,8 +97,9 @@ class PackedLinears:
         self.active = bool(self.mods)
         # id(unit) -> (keys, fingerprint, packed weight, bias or None, member widths)
         self._packed: dict[int, tuple] = {}
-        # id(fused unit) -> (input, its version, every member's output), within one step
-        self._stash: dict[int, tuple] = {}
+        # the last fused unit's (id, input, its version, every member's output): siblings
+        # are called back to back on one input; one slot, so no layer's outputs outlive it
+        self._stash: tuple | None = None
         self._checked: dict[int, tuple] = {}
         self._thread = None
         self.seconds = 0.0  # spent making copies and checking them
@@ -120,8 +121,10 @@ class PackedLinears:
         else:
             self._packed = {}
         self.seconds += time.perf_counter() - t0
+        # nothing packs for weights made in inference mode (see ``packed``)
         self.active = bool(self.mods) and not any(
-            m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
+            m._forward_hooks or m._forward_pre_hooks for m in self.model.modules()) and \
+            not all(m.weight.is_inference() for m in self.mods)
 
     def __bool__(self) -> bool:
         return self.active
@@ -136,7 +139,7 @@ class PackedLinears:
     def __exit__(self, *exc):
         for m, _ in self._forwards:
             m.__dict__.pop("forward", None)
-        self._stash, self._checked = {}, {}
+        self._stash, self._checked = None, {}
         self._thread = None
 
     def packed(self, unit: tuple[nn.Linear, ...]) -> tuple | None:
@@ -169,14 +172,15 @@ class PackedLinears:
 
 
 def _keys(unit) -> tuple:
-    # a bias changed in place moves its version (a fused copy holds its own bias)
+    # the copy holds its own bias: its version is watched here, its bits by _fingerprint
     return tuple((id(m.weight), m.weight.data_ptr(), m.weight._version,
                   None if m.bias is None else (id(m.bias), m.bias._version)) for m in unit)
 
 
 def _fingerprint(unit) -> torch.Tensor:
     """The weights' bits as 64-bit words (wrapping), summed along each row and along each
-    column of the layout in memory, for every module of the unit (two reads of the weight):
+    column of the layout in memory, and the biases' bits, for every module of the unit (two
+    reads of the weight):
     a change that keeps every row and column sum mod 2**64 (values swapped between equal
     ones at the corners of a rectangle, say) goes unseen; a flip, a shuffle or an update
     does not."""
@@ -192,6 +196,8 @@ def _fingerprint(unit) -> torch.Tensor:
             else:
                 bits = w.reshape(w.shape[0], -1).view(torch.int32)
                 out += [bits.sum(1, dtype=torch.int64), bits.sum(0, dtype=torch.int64)]
+            if m.bias is not None:  # small: every bit
+                out.append(m.bias.detach().reshape(-1).view(torch.int32).to(torch.int64))
     return torch.cat(out)
 
 
@@ -211,9 +217,10 @@ class _Forward:
         hit = None
         if threading.get_ident() == self.owner._thread and x.dtype == torch.float32 and not (
                 torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad)):
-            st = self.owner._stash.get(id(self.unit))
-            if st is not None and st[0] is x and st[1] == _version(x):
-                return st[2][self.index]
+            st = self.owner._stash
+            if st is not None and st[0] == id(self.unit) and st[1] is x and \
+                    st[2] == _version(x):
+                return st[3][self.index]
             hit = self.owner.packed(self.unit)
         if hit is None:
             return F.linear(x, m.weight, m.bias)
@@ -225,7 +232,7 @@ class _Forward:
         if sizes is None:
             return y
         outs = y.split(sizes, -1)
-        self.owner._stash[id(self.unit)] = (x, _version(x), outs)
+        self.owner._stash = (id(self.unit), x, _version(x), outs)
         return outs[self.index]
 
 
