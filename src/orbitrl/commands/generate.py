@@ -43,9 +43,9 @@ def add_arguments(parser):
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--kv-budget-mb", type=int, default=None,
                         help="KV pool size in MiB (default: see orbitrl.engine.Engine)")
-    parser.add_argument("--packed-mb", type=int, default=512,
+    parser.add_argument("--packed-mb", type=int, default=1024,
                         help="CPU: packed oneDNN copies of the fp32 projections, made only if "
-                             "they fit this many MiB; 0 turns them off (default 512)")
+                             "they fit this many MiB; 0 turns them off (default 1024)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each text prompt in the model's chat template")

@@ -91,7 +91,7 @@ class Engine:
                  kv_dtype: str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  preempt: str | None = None, seed: int = 0, static_decode: bool | None = None,
-                 cuda_graphs: bool | None = None, packed_bytes: int = 512 << 20,
+                 cuda_graphs: bool | None = None, packed_bytes: int = 1 << 30,
                  attention_backend: str = "auto"):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg

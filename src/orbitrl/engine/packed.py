@@ -24,7 +24,7 @@ from the next ``generate`` on, and an unchanged model is packed once, not at eve
 faults). ``Engine.weights_changed`` drops every copy.
 
 Memory: one packed copy of those weights, held by the engine, only when they fit the budget
-(``Engine(packed_bytes=...)``, 512 MiB by default; an RL run's rollout engine packs nothing,
+(``Engine(packed_bytes=...)``, 1 GiB by default; an RL run's rollout engine packs nothing,
 because the memory ledger does not price the copy). Nothing is packed while the model has
 forward hooks (layer tiers and sharding swap weights in through them), for weights made
 under ``torch.inference_mode``, or for calls that need gradients; any other thread gets
