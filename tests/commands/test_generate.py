@@ -55,6 +55,10 @@ def test_cli_writes_rows_in_order(model_dir, tmp_path, capsys):
         assert len(r["completion_ids"]) <= (5 if r["index"] == 0 else 3)
     err = capsys.readouterr().err
     assert "tokens/s" in err and "KV blocks used" in err and "preemptions" in err
+    from orbitrl.engine.packed import available
+
+    # a CPU run packs the projections (where this torch build has oneDNN's inner product)
+    assert ("weights packed for oneDNN" in err) == available()
     # same seed: same output
     out2 = tmp_path / "out2.jsonl"
     main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out", str(out2),

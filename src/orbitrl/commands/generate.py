@@ -138,5 +138,8 @@ def run(args) -> int:
           f"{s['generated_tokens'] / max(dt, 1e-9):.1f} tokens/s; KV blocks used "
           f"{s['kv_blocks_peak']}/{s['kv_blocks']} (peak {s['kv_bytes_peak'] / 2**20:.1f} MiB), "
           f"prefix hits {s['prefix_hits']}, copy-on-write {s['cow']}, "
-          f"preemptions {s['preemptions']}; wrote {out}", file=sys.stderr)
+          f"preemptions {s['preemptions']}"
+          + (f"; {s['packed_bytes'] / 1e6:.0f} MB of weights packed for oneDNN in "
+             f"{s['packed_seconds']:.2f}s" if s["packed_bytes"] else "")
+          + f"; wrote {out}", file=sys.stderr)
     return 1 if failed else 0
