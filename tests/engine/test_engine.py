@@ -220,3 +220,19 @@ def test_rollout_leaves_nothing_training_cannot_use(hf_dirs):
     logits = model(torch.tensor([prompt]))
     logits.float().logsumexp(-1).sum().backward()
     assert all(p.grad is not None for p in adapter_parameters(model))
+
+
+def test_fp8_dequantize_table_matches_the_conversion():
+    """The CPU's 256-entry table gives what ``view(float8_e4m3fn).float()`` gives, for every
+    code (NaN codes included), times the scale, in the requested dtype."""
+    from orbitrl.engine.paged_attention import FP8, dequantize
+
+    bits = torch.arange(256, dtype=torch.uint8).repeat(3).view(3, 4, 64)
+    scale = torch.rand(3, 4, 1) + 0.5
+    want = bits.view(FP8).float() * scale
+    got = dequantize(bits, scale, torch.float32)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    half = dequantize(bits, scale, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.nan_to_num(),
+                                                        want.to(torch.bfloat16).nan_to_num())

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from orbitrl.engine.paged_attention import FP8
+from orbitrl.engine.paged_attention import dequantize
 
 
 class PrefixGroups(NamedTuple):
@@ -163,7 +163,7 @@ def _gather(cache, scale, slots, dtype):
     x = cache[slots]
     if scale is None:
         return x.to(dtype)
-    return (x.view(FP8).float() * scale[slots]).to(dtype)
+    return dequantize(x, scale[slots], dtype)
 
 
 def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale,

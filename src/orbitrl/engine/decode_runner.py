@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from orbitrl.engine.decode_state import DecodeState
-from orbitrl.engine.paged_attention import FP8, KVCache
+from orbitrl.engine.paged_attention import KVCache, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
 
 GPU_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 16))
@@ -81,8 +81,8 @@ class ReferencePagedDecode:
         idx, mask = self._meta(block_tables, context_lens, block_size, window)
         k, v = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
         if k_scale is not None:
-            k = (k.view(FP8).float() * k_scale.index_select(0, idx)).to(q.dtype)
-            v = (v.view(FP8).float() * v_scale.index_select(0, idx)).to(q.dtype)
+            k = dequantize(k, k_scale.index_select(0, idx), q.dtype)
+            v = dequantize(v, v_scale.index_select(0, idx), q.dtype)
         k = k.view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
         v = v.view(b, -1, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,

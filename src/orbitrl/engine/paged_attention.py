@@ -19,6 +19,23 @@ from orbitrl.model.attention import decode_attention_exact, sdpa
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_FP8_TABLE: torch.Tensor | None = None  # the 256 fp8 e4m3 values as fp32
+
+
+def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 e4m3 KV stored as uint8 ``bits`` [..., D] times their fp32 ``scale`` [..., 1],
+    in ``dtype``. On a CPU the fp8 -> fp32 step is a lookup in a 256-entry table (the same
+    values as ``bits.view(float8_e4m3fn).float()``, NaN codes included): PyTorch's CPU
+    conversion is scalar, 1.0 ms for the K of a 32-row decode step of the benchmark model
+    against 0.2 ms for the lookup."""
+    global _FP8_TABLE
+    if bits.device.type == "cpu":
+        if _FP8_TABLE is None:
+            _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+        vals = _FP8_TABLE.index_select(0, bits.reshape(-1).int()).view(bits.shape)
+    else:
+        vals = bits.view(FP8).float()
+    return (vals * scale).to(dtype)
 
 
 class KVCache:
@@ -78,8 +95,8 @@ class KVCache:
         """K, V of slots ``idx`` [M] -> two [M, Hkv, D] tensors in the compute dtype."""
         k, v = self.k[layer].index_select(0, idx), self.v[layer].index_select(0, idx)
         if self.fp8:
-            k = (k.view(FP8).float() * self.k_scale[layer].index_select(0, idx)).to(self.dtype)
-            v = (v.view(FP8).float() * self.v_scale[layer].index_select(0, idx)).to(self.dtype)
+            k = dequantize(k, self.k_scale[layer].index_select(0, idx), self.dtype)
+            v = dequantize(v, self.v_scale[layer].index_select(0, idx), self.dtype)
         return k, v
 
     def _slots(self, blocks) -> torch.Tensor:
