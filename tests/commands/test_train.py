@@ -123,6 +123,8 @@ def test_export_fills_base_and_tokenizer_of_older_runs(run_dir, tmp_path):
     (["train", "--set", "reward.name=nope"], "nope"),
     (["train", "--set", "data.train=/no/such.jsonl"], "/no/such.jsonl"),
     (["eval", "--model", "/no/such/dir"], "/no/such/dir"),
+    (["eval", "--packed-mb", "-1"], "--packed-mb -1"),
+    (["eval", "--task", "humaneval", "--packed-mb", "-3"], "--packed-mb -3"),
     (["export", "/no/such/run", "--out", "x"], "/no/such/run"),
 ])
 def test_bad_input_is_one_line(args, needle, capsys):

@@ -233,6 +233,8 @@ def test_fp8_dequantize_table_matches_the_conversion():
     got = dequantize(bits, scale, torch.float32)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    typed = dequantize(bits.view(FP8), scale, torch.float32)  # an fp8-typed view of them
+    assert torch.equal(typed.nan_to_num(), want.nan_to_num())
     half = dequantize(bits, scale, torch.bfloat16)
     assert half.dtype == torch.bfloat16 and torch.equal(half.nan_to_num(),
                                                         want.to(torch.bfloat16).nan_to_num())

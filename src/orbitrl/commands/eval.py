@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from orbitrl.errors import OrbitError
+
 
 def add_arguments(parser):
     parser.add_argument("--model", default="builtin:tiny-arith", help="HF model directory")
@@ -33,6 +35,9 @@ def add_arguments(parser):
                         "with data.chat_template: true")
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
+    parser.add_argument("--packed-mb", type=int, default=1024,
+                        help="CPU: packed oneDNN copies of the fp32 projections, made only if "
+                             "they fit this many MiB; 0 turns them off (default 1024)")
     from orbitrl.evals import cli as suite  # --task humaneval | gsm8k[:FILE]
 
     suite.add_arguments(parser)
@@ -41,6 +46,8 @@ def add_arguments(parser):
 def run(args) -> int:
     from orbitrl.evals import cli as suite
 
+    if args.packed_mb < 0:
+        raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
     if (code := suite.run(args)) is not None:  # --task humaneval | gsm8k[:FILE]
         return code
     import torch
@@ -161,7 +168,7 @@ def _task_env(task, args):
     return cfg
 
 
-def _evaluator(model, tok, data, max_tokens, env_cfg=None):
+def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int = 1024):
     """The shared evaluation path (``rl/evaluate.py``) over one engine running ``model``:
     prompts encoded as ``data`` says; ``env_cfg``, a run config whose ``env`` makes each
     row a multi-turn trajectory."""
@@ -169,7 +176,7 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None):
     from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rl.evaluate import Evaluator
 
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, packed_bytes=packed_mb << 20)
     encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
     turns = None
     if env_cfg is not None:
@@ -186,7 +193,8 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
     from orbitrl.rl.evaluate import tool_summary
 
-    acc, records = _evaluator(model, tok, data, max_tokens, env_cfg).run(rows, runner)
+    acc, records = _evaluator(model, tok, data, max_tokens, env_cfg,
+                              args.packed_mb).run(rows, runner)
     for r in records:  # a failing verifier is an error for that row, scored 0
         if "error" in r:
             r["completion"] += f"  [reward error: {r.pop('error')}]"

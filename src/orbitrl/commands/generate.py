@@ -139,7 +139,7 @@ def run(args) -> int:
           f"{s['kv_blocks_peak']}/{s['kv_blocks']} (peak {s['kv_bytes_peak'] / 2**20:.1f} MiB), "
           f"prefix hits {s['prefix_hits']}, copy-on-write {s['cow']}, "
           f"preemptions {s['preemptions']}"
-          + (f"; {s['packed_bytes'] / 1e6:.0f} MB of weights packed for oneDNN in "
-             f"{s['packed_seconds']:.2f}s" if s["packed_bytes"] else "")
+          + (f"; {s['packed_bytes'] / 2**20:.0f} MiB of weights packed for oneDNN "
+             f"(packing and checks {s['packed_seconds']:.2f}s)" if s["packed_bytes"] else "")
           + f"; wrote {out}", file=sys.stderr)
     return 1 if failed else 0

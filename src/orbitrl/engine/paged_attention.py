@@ -31,8 +31,9 @@ def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     global _FP8_TABLE
     if bits.device.type == "cpu":
         if _FP8_TABLE is None:
-            _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8).float()
-        vals = _FP8_TABLE.index_select(0, bits.reshape(-1).int()).view(bits.shape)
+            _FP8_TABLE = torch.arange(256, dtype=torch.uint8, device="cpu").view(FP8).float()
+        codes = bits.reshape(-1).view(torch.uint8).int()  # the bits, whatever the view
+        vals = _FP8_TABLE.index_select(0, codes).view(bits.shape)
     else:
         vals = bits.view(FP8).float()
     return (vals * scale).to(dtype)

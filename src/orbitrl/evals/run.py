@@ -29,7 +29,8 @@ class EvalOptions:
     (each <= n); temperature, top_p: of the sampled pass; max_tokens: completion cap
     (0: the task's default, at most half the model's context); seed: base seed (problem i
     uses seed * 1_000_003 + i); batch: sequences decoded at once; chat_template: wrap
-    prompts in the model's template; greedy: run the greedy pass."""
+    prompts in the model's template; greedy: run the greedy pass; packed_mb: the engine's
+    budget for oneDNN-packed weight copies on a CPU (``Engine(packed_bytes)``)."""
 
     n: int = 0
     k: tuple[int, ...] = (1, 10)
@@ -40,9 +41,10 @@ class EvalOptions:
     batch: int = 64
     chat_template: bool = False
     greedy: bool = True
+    packed_mb: int = 1024
 
 
-def sized_engine(model, tok, batch: int) -> Callable[[int], object]:
+def sized_engine(model, tok, batch: int, packed_mb: int = 1024) -> Callable[[int], object]:
     """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them."""
     from orbitrl.engine import Engine
     from orbitrl.ledger.kv import kv_bytes_per_token
@@ -51,7 +53,7 @@ def sized_engine(model, tok, batch: int) -> Callable[[int], object]:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
     return lambda longest: Engine(model, tok, kv_budget_bytes=batch * longest * per_token,
-                                  max_num_seqs=batch)
+                                  max_num_seqs=batch, packed_bytes=packed_mb << 20)
 
 
 def evaluate(task: Task, model, tok, opts: EvalOptions,
@@ -66,7 +68,7 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
         raise OrbitError(f"--k {bad[0]}: pass@k needs k <= n (n = {opts.n})")
     context = model.config.max_position_embeddings
     max_tokens = opts.max_tokens or min(task.max_tokens, context // 2)
-    ev = Evaluator(sized_engine(model, tok, opts.batch),
+    ev = Evaluator(sized_engine(model, tok, opts.batch, opts.packed_mb),
                    lambda t: encode_prompt(tok, t, opts.chat_template), None, max_tokens,
                    context=context)
     prompts = ev.encode_prompts([r["prompt"] for r in task.rows])
