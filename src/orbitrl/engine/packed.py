@@ -13,15 +13,19 @@ the CPU that a forward calls (a loaded model's projections and head, a LoRA modu
 base layer; not the LoRA A/B matrices, which the LoRA module multiplies itself, nor weights
 that are views into a larger tensor, such as a mixture's stacked experts) and, while a step
 runs (``with packed:``), routes their forward in the engine's thread through a packed copy
-made at the first call. At each step a copy is remade if its weight has become another
-tensor or storage or its version has moved. At the start of every ``generate`` (and of a stream) each
-copy is also checked against its weight's content: a fingerprint taken when the copy was
-made (the bits summed as 64-bit words along rows and columns, two reads of the weight:
-about 20 ms for 156 MB on one core) is taken again, and a copy whose weight moved is dropped. So an
-in-place change that bumps no version (``p.data.copy_``, a fused optimizer step) is seen
-from the next ``generate`` on, and an unchanged model is packed once, not at every batch
-(packing a 32000 x 512 head took 0.1-0.4 s on one core, most of it first-touch page
-faults). ``Engine.weights_changed`` drops every copy.
+made at the first call. A layer's q/k/v projections are one packing unit, and its gate/up
+projections another (``FUSED``): one concatenated weight, one GEMM, whose columns serve the
+members' calls on the same input.
+
+At each step a copy is remade if its weight has become another tensor or storage or its
+version has moved. At the start of every ``generate`` (and of a stream) each copy is also
+checked against its weights' content: a fingerprint taken when the copy was made (the bits
+summed as 64-bit words along rows and columns, and the biases' bits: two reads of the
+weights, about 20 ms for 156 MB on one core) is taken again, and a copy whose weights moved
+is dropped. So an in-place change that bumps no version (``p.data.copy_``, a fused
+optimizer step) is seen from the next ``generate`` on, and an unchanged model is packed
+once, not at every batch (packing 156 MB took 0.1-0.4 s on one core, most of it
+first-touch page faults). ``Engine.weights_changed`` drops every copy.
 
 Memory: one packed copy of those weights, held by the engine, only when they fit the budget
 (``Engine(packed_bytes=...)``, 1 GiB by default; an RL run's rollout engine packs nothing,
