@@ -108,7 +108,9 @@ def test_engine_logprobs_equal_the_trainers_without_any_nudge(hf_dirs, family):
     padded, this check gave 9.5e-7 (and learning runs' worst steps 1e-4)."""
     path, _ = hf_dirs[family]
     m = orbitrl.load_model(path)
-    eng = Engine(m, kv_budget_bytes=1 << 20, block_size=4)
+    # built as an RL run's rollout engine is (rl/rollout.py): the trainer's GEMMs, no
+    # oneDNN-packed copies (with those, a standalone engine rounds differently)
+    eng = Engine(m, kv_budget_bytes=1 << 20, block_size=4, packed_bytes=0)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [40, 41, 42, 43, 44, 45, 46], [3]]
     samples = rollout(eng, prompts, [{}] * 4, SamplingParams(n=5, max_tokens=12), 0, seed=7)
     part = pack(samples, "cpu")

@@ -77,7 +77,7 @@ def chat_model(tmp_path_factory):
 def _scripted_sampler(eng, script: list[int]):
     """``engine.sample`` replaced: the one running sequence's next token is the script's
     token at its length (logprob 0)."""
-    def sample(logits, params, keys, num_completion):
+    def sample(logits, params, keys, num_completion, work=None):
         (seq,) = eng.scheduler.running
         t = script[len(seq.token_ids)]
         z = torch.zeros(1)
