@@ -10,6 +10,21 @@ def add_config_args(parser):
     parser.add_argument("--out", help="run directory (default: runs/<timestamp>)")
 
 
+def add_packed_arg(parser):
+    parser.add_argument("--packed-mb", type=int, default=1024,
+                        help="CPU: packed oneDNN copies of the fp32 projections, made only if "
+                             "they fit this many MiB; 0 turns them off (default 1024)")
+
+
+def packed_bytes(args) -> int:
+    """``--packed-mb`` in bytes, checked."""
+    from orbitrl.errors import OrbitError
+
+    if args.packed_mb < 0:
+        raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
+    return args.packed_mb << 20
+
+
 def config_from_args(args):
     from orbitrl.config import load_config
 

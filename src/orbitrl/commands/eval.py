@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from orbitrl.errors import OrbitError
+from orbitrl.commands._common import add_packed_arg, packed_bytes
 
 
 def add_arguments(parser):
@@ -35,9 +35,7 @@ def add_arguments(parser):
                         "with data.chat_template: true")
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
-    parser.add_argument("--packed-mb", type=int, default=1024,
-                        help="CPU: packed oneDNN copies of the fp32 projections, made only if "
-                             "they fit this many MiB; 0 turns them off (default 1024)")
+    add_packed_arg(parser)
     from orbitrl.evals import cli as suite  # --task humaneval | gsm8k[:FILE]
 
     suite.add_arguments(parser)
@@ -46,8 +44,7 @@ def add_arguments(parser):
 def run(args) -> int:
     from orbitrl.evals import cli as suite
 
-    if args.packed_mb < 0:
-        raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
+    packed_bytes(args)  # checked before either path loads a model
     if (code := suite.run(args)) is not None:  # --task humaneval | gsm8k[:FILE]
         return code
     import torch

@@ -24,6 +24,7 @@ import json
 import sys
 from pathlib import Path
 
+from orbitrl.commands._common import add_packed_arg, packed_bytes
 from orbitrl.errors import OrbitError
 
 
@@ -43,9 +44,7 @@ def add_arguments(parser):
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--kv-budget-mb", type=int, default=None,
                         help="KV pool size in MiB (default: see orbitrl.engine.Engine)")
-    parser.add_argument("--packed-mb", type=int, default=1024,
-                        help="CPU: packed oneDNN copies of the fp32 projections, made only if "
-                             "they fit this many MiB; 0 turns them off (default 1024)")
+    add_packed_arg(parser)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--chat-template", action="store_true",
                         help="wrap each text prompt in the model's chat template")
@@ -90,10 +89,8 @@ def run(args) -> int:
     model = orbitrl.load_model(args.model, dtype=args.dtype)
     tok = orbitrl.load_tokenizer(args.model, vocab_size=model.config.vocab_size)
     budget = None if args.kv_budget_mb is None else args.kv_budget_mb << 20
-    if args.packed_mb < 0:
-        raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
     engine = Engine(model, tok, kv_budget_bytes=budget,
-                    kv_dtype=engine_kv_dtype(args.kv_dtype), packed_bytes=args.packed_mb << 20)
+                    kv_dtype=engine_kv_dtype(args.kv_dtype), packed_bytes=packed_bytes(args))
 
     failed, reqs, lines = 0, [], []
     for i, (no, row, err) in enumerate(_read_rows(src)):

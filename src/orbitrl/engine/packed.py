@@ -99,6 +99,7 @@ class PackedLinears:
         size = sum(m.weight.numel() * 4 for m in mods)
         self.mods = mods if size <= budget_bytes else []
         self.units = _units(model, self.mods)
+        self._unit_of = {id(u): u for u in self.units}
         self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
                           for i, m in enumerate(unit)]  # made once
         self.active = bool(self.mods)
@@ -121,7 +122,7 @@ class PackedLinears:
         and pack only while the model has no forward hooks."""
         t0 = time.perf_counter()
         if keep:
-            units = {id(u): u for u in self.units}
+            units = self._unit_of
             self._packed = {i: hit for i, hit in self._packed.items()
                             if _keys(units[i]) == hit[0]
                             and torch.equal(_fingerprint(units[i]), hit[1])}

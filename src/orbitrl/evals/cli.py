@@ -35,8 +35,6 @@ def _options(args):
         raise OrbitError(f"--k {args.k!r}: expected comma-separated integers") from None
     if args.n < 0 or args.batch < 1 or args.threads < 1:
         raise OrbitError("--n must be >= 0, --batch and --threads >= 1")
-    if args.packed_mb < 0:
-        raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
     if args.n and any(k < 1 or k > args.n for k in ks):
         raise OrbitError(f"--k {args.k}: each k must be in [1, n] (n = {args.n})")
     if args.no_greedy and not args.n:
