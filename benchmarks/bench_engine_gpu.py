@@ -16,9 +16,14 @@ tokens x n = 8 samples, temperature 1, EOS ignored. Rows:
   use), the continuous-batching manager through each request's own ``max_new_tokens``.
 Tokens/s counts the same useful tokens for every system.
 
+orbitrl runs twice: as it is by default (``async_decode``: step k+1 is launched before
+the host reads step k's values) and with ``async_decode=False`` (the host reads each
+step's values before it launches the next), so the overlap is measured side by side.
+
 Per orbitrl decode step (the steps with every sequence decoding, at the widest batch):
-wall time, device time (CUDA events around the runner's step) and host time (the rest:
-scheduling, the one copy of the step's results, Python), and the roofline: the bytes a
+wall time, device time (CUDA events around the runner's launch: the graph replay and the
+copy of its values) and host time (the wall time less the time spent waiting for a step's
+values: scheduling, appending tokens, stop checks, Python), and the roofline: the bytes a
 step must read (every weight once plus each row's KV) over the copy bandwidth measured
 here (2 x bytes / time of a 1 GiB device-to-device copy). Peak memory:
 ``torch.cuda.max_memory_allocated`` during each system's run.
@@ -73,24 +78,50 @@ def copy_bandwidth() -> float:
 
 
 class StepTimer:
-    """CUDA events around the decode runner's step: device milliseconds per step."""
+    """Per engine step that ran the decode runner: device milliseconds (CUDA events around
+    the runner's launch: the graph replay and the copy of its values to the host) and the
+    host's milliseconds waiting for values (``fetch``), each keyed by the index of the
+    engine's timeline entry of the step it happened in. With ``async_decode`` the engine
+    launches step k+1 before it reads step k, so the host's own work (the wall time less
+    the wait) overlaps the device's."""
 
-    def __init__(self, runner):
-        self.device_ms: list[float] = []
-        self._run, self._pending = runner.run, []
-        runner.run = self
+    def __init__(self, eng):
+        self.eng, runner = eng, eng.decode_runner
+        self._launch, self._fetch = runner.launch, runner.fetch
+        runner.launch, runner.fetch = self.launch, self.fetch
+        self.clear()
 
-    def __call__(self):
+    def clear(self):
+        self.events, self.waits = {}, {}
+
+    def launch(self):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        out = self._run()  # ends with the device-to-host copy, so b has completed
+        handle = self._launch()
         b.record()
-        b.synchronize()
-        self.device_ms.append(a.elapsed_time(b))
+        self.events[len(self.eng.timeline)] = (a, b)
+        return handle
+
+    def fetch(self, handle):
+        t = time.perf_counter()
+        out = self._fetch(handle)
+        i = len(self.eng.timeline)
+        self.waits[i] = self.waits.get(i, 0.0) + (time.perf_counter() - t) * 1e3
         return out
 
+    def per_step(self, batch: int):
+        """(wall, device, host) ms of the runner's steps at ``batch`` rows."""
+        torch.cuda.synchronize()
+        rows = []
+        for i, (a, b) in self.events.items():
+            n, _, t = self.eng.timeline[i]
+            if n == batch:
+                wall = t * 1e3
+                rows.append((wall, a.elapsed_time(b), wall - self.waits.get(i, 0.0)))
+        return rows
 
-def run_orbitrl(path, prompts, lengths, cap):
+
+def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
 
@@ -101,28 +132,26 @@ def run_orbitrl(path, prompts, lengths, cap):
             for i, p in enumerate(prompts)]
     stop = lambda i, j, c: len(c) >= lengths[i][j]  # noqa: E731
     kw = dict(max_num_seqs=len(prompts) * n, max_num_batched_tokens=16384,
-              kv_budget_bytes=torch.cuda.mem_get_info()[0] // 3)
+              kv_budget_bytes=torch.cuda.mem_get_info()[0] // 3, async_decode=async_decode)
     eng = Engine(model, **kw)
-    timer = StepTimer(eng.decode_runner)
+    timer = StepTimer(eng)
     # the first run compiles the kernels and captures a graph per batch bucket (they belong
     # to this engine's runner); the repeat run, on the same engine, is the one reported
     t0 = time.perf_counter()
     eng.generate(reqs, stop_fn=stop)
     first = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats()
+    timer.clear()
     t0 = time.perf_counter()
     outs = eng.generate(reqs, stop_fn=stop)
     dt = time.perf_counter() - t0
     toks = sum(len(s.token_ids) for o in outs for s in o.samples)
-    dec = [(b, t) for b, k, t in eng.timeline if b == k]  # (each generate starts a new one)
-    widest = max(b for b, _ in dec)
-    wall = [t for b, t in dec if b == widest]
-    dev = timer.device_ms[-len(dec):]
-    dev_w = [d for (b, _), d in zip(dec, dev) if b == widest]
+    widest = max(eng.timeline[i][0] for i in timer.events)
+    wall, dev, host = zip(*timer.per_step(widest))
     return dict(tokens=toks, seconds=dt, first=first, peak=torch.cuda.max_memory_allocated(),
-                batch=widest, step_ms=statistics.median(wall) * 1e3,
-                device_ms=statistics.median(dev_w), steps=len(dec),
-                params=model.config.num_params)
+                batch=widest, step_ms=statistics.median(wall),
+                device_ms=statistics.median(dev), host_ms=statistics.median(host),
+                steps=len(timer.events), params=model.config.num_params)
 
 
 def run_hf_generate(path, prompts, lengths, cap):
@@ -206,8 +235,9 @@ def run_row(name, path, prompts, lengths, cap, bw):
     print(f"\n{name}: {len(prompts)} prompts x n={len(lengths[0])}, cap {cap}, mean length "
           f"{statistics.mean(flat):.1f}, {sum(flat)} tokens", flush=True)
     res = {}
-    for label, fn in [("orbitrl", run_orbitrl), ("transformers generate (repeat run)",
-                                                  run_hf_generate),
+    sync = lambda *a: run_orbitrl(*a, async_decode=False)  # noqa: E731
+    for label, fn in [("orbitrl", run_orbitrl), ("orbitrl, async_decode off", sync),
+                      ("transformers generate (repeat run)", run_hf_generate),
                       ("transformers generate_batch", run_hf_batch)]:
         try:
             res[label] = fn(path, prompts, lengths, cap)
@@ -229,10 +259,14 @@ def run_row(name, path, prompts, lengths, cap, bw):
     if "error" in ours:
         return False
     floor = step_floor_ms(ours, prompts, lengths, bw)
-    print(f"orbitrl decode at batch {ours['batch']}: {ours['step_ms']:.2f} ms/step wall, "
-          f"{ours['device_ms']:.2f} ms device, {ours['step_ms'] - ours['device_ms']:.2f} "
-          f"ms host; read floor {floor:.2f} ms = {floor / ours['step_ms']:.0%} of the "
-          f"roofline ({ours['batch'] / ours['step_ms'] * 1e3:,.0f} tokens/s)")
+    for label in ("orbitrl", "orbitrl, async_decode off"):
+        r = res[label]
+        if "error" in r:
+            continue
+        print(f"{label}: decode at batch {r['batch']}: {r['step_ms']:.2f} ms/step wall, "
+              f"{r['device_ms']:.2f} ms device, {r['host_ms']:.2f} ms host (wall less the "
+              f"wait for values); read floor {floor:.2f} ms = {floor / r['step_ms']:.0%} of "
+              f"the roofline ({r['batch'] / r['step_ms'] * 1e3:,.0f} tokens/s)")
     return True
 
 

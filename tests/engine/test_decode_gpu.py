@@ -157,3 +157,28 @@ def test_adapter_views_replay_the_same_graphs_on_cuda(hf_dirs):
         graphs.append(dict(fast.decode_runner._graphs))
     assert got[0] != got[1]
     assert graphs[0] and all(graphs[1][k] is g for k, g in graphs[0].items())
+
+
+def test_async_decode_equals_sync_on_cuda(hf_dirs):
+    """The default on CUDA launches step k+1 before reading step k (graphs replayed, values
+    through pinned buffers): the same samples as reading each step first, with stop_fn,
+    stop ids and forks."""
+    model = orbitrl.load_model(hf_dirs["qwen2"][0], device="cuda")
+    prompts = random_prompts([5, 30, 9, 21])
+    lengths = {0: [3, 9, 30], 1: [6, 1, 12], 2: [2, 2, 20], 3: [5, 11, 8]}
+    stop = lambda i, j, c: len(c) >= lengths[i][j]  # noqa: E731
+    params = [SamplingParams(n=3, max_tokens=20, seed=1, ignore_eos=True),
+              SamplingParams(n=3, max_tokens=24, **GREEDY),
+              SamplingParams(n=3, max_tokens=18, seed=3, ignore_eos=True,
+                             stop_token_ids=[7, 11, 13, 17, 19, 23]),
+              SamplingParams(n=3, max_tokens=16, seed=4, temperature=0.7, top_p=0.9,
+                             ignore_eos=True)]
+    runs = []
+    for async_decode in (None, False):
+        eng = Engine(model, kv_budget_bytes=1 << 22, block_size=8, async_decode=async_decode)
+        assert eng.async_decode == (async_decode is None)
+        outs = eng.generate(prompts, params, stop_fn=stop)
+        assert eng.decode_runner._graphs and eng.pool.num_free == eng.pool.num_blocks
+        runs.append([[(s.token_ids, s.logprobs, s.finish_reason) for s in o.samples]
+                     for o in outs])
+    assert runs[0] == runs[1]

@@ -107,17 +107,21 @@ class BlockPool:
         seq.num_hashed = len(seq.block_table)
         self.peak_used = max(self.peak_used, self.num_used)
 
-    def commit(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full and computed this step."""
+    def commit(self, seq: Sequence, upto: int | None = None) -> None:
+        """Register hashes of blocks that became full and computed this step: those within
+        the sequence's first ``upto`` tokens (default ``num_computed``; the engine's
+        decode steps, when one more step of the sequence is already launched, pass the
+        tokens computed by the step whose results it reads)."""
         bs = self.block_size
-        for i in range(seq.num_hashed, seq.num_computed // bs):
+        upto = seq.num_computed if upto is None else upto
+        for i in range(seq.num_hashed, upto // bs):
             b = seq.block_table[i]
             if self.hash[b] is None:
                 prev = self.hash[seq.block_table[i - 1]] if i else None
                 toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.hash[b], self.tokens[b] = hash((prev, toks)), toks
                 self.cached.setdefault(self.hash[b], b)
-        seq.num_hashed = max(seq.num_hashed, seq.num_computed // bs)
+        seq.num_hashed = max(seq.num_hashed, upto // bs)
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix hash (cached KV is stale once the weights change)."""

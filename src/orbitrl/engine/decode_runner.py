@@ -18,6 +18,10 @@ and one static output buffer, so it has fixed shapes per batch-size bucket:
 - on CPU the same step runs eagerly with the same padding and bookkeeping, and the KV is
   gathered only up to the longest row's blocks (shapes need not be static there).
 
+A step is started by :meth:`DecodeRunner.launch` and its values read by
+:meth:`DecodeRunner.fetch`; on CUDA the engine (``async_decode``) launches step k+1
+before it fetches step k, so the host's per-token work overlaps the device's.
+
 Attention goes through one function, :func:`decode_attention`, with the signature of the
 Triton kernel ``orbitrl.engine.attention_kernels.paged_decode``, which reads the K/V blocks
 in place; it is the default on CUDA when Triton imports. Elsewhere the plain-PyTorch
@@ -58,8 +62,10 @@ class ReferencePagedDecode:
         self._key, self._idx, self._masks = None, None, {}
 
     def _meta(self, block_tables, context_lens, block_size, window):
-        key = (block_tables.data_ptr(), block_tables.shape, block_tables._version,
-               context_lens.data_ptr(), context_lens._version)
+        # (inference tensors keep no version: the runner makes a fresh instance per step)
+        ver = lambda t: None if t.is_inference() else t._version  # noqa: E731
+        key = (block_tables.data_ptr(), block_tables.shape, ver(block_tables),
+               context_lens.data_ptr(), ver(context_lens))
         if key != self._key:
             ar = torch.arange(block_size, device=block_tables.device)
             self._idx = (block_tables.long()[:, :, None] * block_size + ar).reshape(-1)
@@ -195,8 +201,10 @@ class DecodeRunner:
         self._view = None  # the runner's copy of the adapter view: {id: (A, B)}
         self.viewing = False  # this generate samples through an adapter view
         self.capture = self.graphs  # this generate's choice (begin)
+        self.hooked = False  # a module has forward hooks (begin): no graphs, no async
         self.packed = None  # the engine's PackedLinears (CPU only)
         self.grouped = False  # this step passes prefix groups to the kernel (run)
+        self._host, self._flip = None, 0  # CUDA: pinned output buffers (launch)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -226,8 +234,9 @@ class DecodeRunner:
         if key != self._sig:
             self._graphs, self._sig = {}, key
         self.viewing = view is not None
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self.model.modules())
-        self.capture = self.graphs and not hooked
+        self.hooked = any(m._forward_hooks or m._forward_pre_hooks
+                          for m in self.model.modules())
+        self.capture = self.graphs and not self.hooked
 
     def invalidate(self) -> None:
         """Drop every captured graph (the KV cache or a state buffer was reallocated)."""
@@ -265,6 +274,14 @@ class DecodeRunner:
     def run(self) -> list[list[float]]:
         """One decode step of the ``state.n`` rows. Returns per row [token, logprob, raw
         logprob, reason] (one device-to-host copy)."""
+        return self.fetch(self.launch())
+
+    def launch(self):
+        """Start one decode step of the ``state.n`` rows and return a handle for
+        :meth:`fetch`. On CUDA the step is queued (a graph replay, then its output copied
+        into one of two pinned host buffers behind an event), so the host may prepare and
+        launch the next step before it reads this one's values: the two buffers keep a
+        step's values until the step after next is launched."""
         st = self.state
         n = st.n
         b, filtered = self.bucket(n), st.filtered > 0
@@ -281,7 +298,26 @@ class DecodeRunner:
             self._step(b, nb, filtered)
         else:
             self._replay(b, filtered, self.grouped)
-        return self.out[:n].tolist()
+        if st.device.type != "cuda":
+            return self.out[:n].tolist()  # the step has run: its values now
+        if self._host is None:
+            self._host = [torch.empty(st.capacity, 4, dtype=torch.float64, pin_memory=True)
+                          for _ in range(2)]
+        buf = self._host[self._flip][:n]
+        self._flip ^= 1
+        buf.copy_(self.out[:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
+
+    @staticmethod
+    def fetch(handle) -> list[list[float]]:
+        """A launched step's values per row (waits for the step on CUDA)."""
+        if isinstance(handle, list):
+            return handle
+        buf, done = handle
+        done.synchronize()
+        return buf.tolist()
 
     def _replay(self, b: int, filtered: bool, grouped: bool) -> None:
         key = (b, filtered, grouped, self.cache.k.data_ptr())

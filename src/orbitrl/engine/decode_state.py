@@ -9,6 +9,8 @@ only what it needs to schedule without reading them back:
 - ``pos_h`` and ``nblk_h`` (numpy): positions advance by one per step for every row, so the
   host knows, without a device read, which rows cross into a new KV block; only those rows
   touch the block pool, and each new block changes one element of the device block table;
+  ``last_h``: the position at which a row's completion limit ends it (the engine does not
+  launch a step whose every row ended before it);
 - the step's changes (rows that join, rows compacted after others finished, new block
   table elements) are queued as integers and applied with one host-to-device copy
   (:meth:`flush`).
@@ -57,6 +59,7 @@ class DecodeState:
         self.stop_ids = torch.full((capacity, stop_width), -1, dtype=torch.long, device=device)
         self.pos_h = np.zeros(capacity, dtype=np.int64)
         self.nblk_h = np.zeros(capacity, dtype=np.int64)
+        self.last_h = np.zeros(capacity, dtype=np.int64)  # the position of a row's last step
         self.seqs: list[Sequence] = []
         self.valid = False  # rows mirror the scheduler's running sequences
         self.grown = False  # a buffer was reallocated (captured graphs are stale)
@@ -100,15 +103,20 @@ class DecodeState:
             copies += pool.append(seq, 1)
             self._rows.append(self._pack(row, seq))
             self.pos_h[row], self.nblk_h[row] = seq.num_computed, len(seq.block_table)
+            self.last_h[row] = seq.num_prompt + self._limit(seq) - 2
             self.filtered += 0 < seq.params.top_k or seq.params.top_p < 1
             self.stop_strings += bool(seq.params.stop)
         self.seqs, self.valid = list(seqs), True
         return copies
 
+    def _limit(self, seq: Sequence) -> int:
+        """The row's completion limit: the request's max_tokens, or the context's end."""
+        return min(seq.params.max_tokens, self.max_model_len - seq.num_prompt)
+
     def _pack(self, row: int, seq: Sequence) -> list[int]:
         """One row's full state as int64s (floats as their fp32 bits)."""
         p, pos = seq.params, seq.num_computed
-        limit = min(p.max_tokens, self.max_model_len - seq.num_prompt)
+        limit = self._limit(seq)
         temp = np.float32(p.temperature)
         inv = np.float32(1.0) if temp == 0 else np.float32(1.0) / temp
         bits = np.array([inv, np.float32(p.top_p)], dtype=np.float32).view(np.int32)
@@ -148,6 +156,7 @@ class DecodeState:
         self._moves += [(dst, src) for dst, src in enumerate(kept) if dst != src]
         self.pos_h[:len(kept)] = self.pos_h[kept]
         self.nblk_h[:len(kept)] = self.nblk_h[kept]
+        self.last_h[:len(kept)] = self.last_h[kept]
         for r in gone:
             p = self.seqs[r].params
             self.filtered -= 0 < p.top_k or p.top_p < 1

@@ -40,6 +40,18 @@ def kv_block_bytes(model, kv_dtype: str | None, block_size: int) -> int:
                               "fp8" if fp8 else dtype, 4 if fp8 else 0)
 
 
+class _Launched:
+    """A decode step launched (``DecodeRunner.launch``) whose values are not read yet:
+    its runner handle, the sequences of its rows, their positions, whether stop strings
+    or ``stop_fn`` are checked on the host, and its dead rows (sequences that finished at
+    the step before it)."""
+
+    __slots__ = ("handle", "seqs", "pos", "host", "dead")
+
+    def __init__(self, handle, seqs: list[Sequence], pos, host: bool):
+        self.handle, self.seqs, self.pos, self.host, self.dead = handle, seqs, pos, host, set()
+
+
 def _ids(x) -> list[int]:
     if x is None:
         return []
@@ -71,6 +83,14 @@ class Engine:
             made a decode step 10-20% slower than the general path (docs/engine.md). Never
             for mixtures of experts (their routing is recorded on the general path).
         cuda_graphs: capture the decode runner's steps as CUDA graphs (default: on CUDA).
+        async_decode: with the static decode runner, launch decode step k+1 before reading
+            step k's values, so that the host's per-token work (appending tokens, stop
+            strings, ``stop_fn``, retiring finished rows, block bookkeeping) runs while the
+            device computes; a finished row runs one extra step whose token is discarded.
+            The samples are the same as without it (tested). Off while a module of the
+            model has forward hooks (they would see the extra steps). Default: on CUDA
+            (where the step is queued and the host is free meanwhile); on a CPU the step
+            runs on the host itself, so it only reorders the same work.
         packed_bytes: CPU: budget for oneDNN-packed copies of the fp32 projections
             (engine/packed.py: q/k/v and gate/up packed as one GEMM each; kept across
             batches while the weights do not change); 0 turns them off. With them, the
@@ -92,7 +112,7 @@ class Engine:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  preempt: str | None = None, seed: int = 0, static_decode: bool | None = None,
                  cuda_graphs: bool | None = None, packed_bytes: int = 1 << 30,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", async_decode: bool | None = None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         dtype, device = next(model.parameters()).dtype, model.device
@@ -136,6 +156,10 @@ class Engine:
         moe = getattr(cfg, "moe", None) is not None
         self.static_decode = (device.type == "cuda" if static_decode is None
                               else static_decode) and not moe
+        self.async_decode = (device.type == "cuda" if async_decode is None
+                             else async_decode) and self.static_decode
+        self._flight = None  # the decode step launched and not yet read (async_decode)
+        self._early: list[Sequence] = []  # finished by a drained step, for the next step()
         self.decode = DecodeState(max_num_seqs, -(-self.max_model_len // block_size),
                                   block_size, self.max_model_len, device)
         self.decode_runner = DecodeRunner(model, self.cache, self.decode, graphs=cuda_graphs,
@@ -196,6 +220,8 @@ class Engine:
         hold blocks past the new end (recomputed or swapped back later, as when the pool runs
         out) and releases the memory; never below :meth:`min_blocks`. Returns the new size."""
         num_blocks = max(int(num_blocks), self.min_blocks())
+        if num_blocks != self.pool.num_blocks:
+            self.reset_decode()  # (the step in flight reads and writes the old cache)
         if num_blocks < self.pool.num_blocks:
             sch = self.scheduler
             for seq in [s for s in sch.running if any(b >= num_blocks for b in s.block_table)]:
@@ -208,7 +234,6 @@ class Engine:
         if num_blocks != self.pool.num_blocks:
             self.pool.resize(num_blocks)
             self.cache.resize(num_blocks)
-            self.decode.reset()
             self.decode_runner.invalidate()  # graphs point at the old cache tensors
         return num_blocks
 
@@ -260,12 +285,13 @@ class Engine:
                 if self.memory_hook is not None:
                     self.memory_hook(self)
                 if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+                    self.reset_decode()
                     dropped = self.scheduler.abort_all()
-                    self.decode.reset()
                     self.stats["aborted"] = self.stats.get("aborted", 0) + len(dropped)
                     self.stats["watchdog_events"] = self.stats.get("watchdog_events", 0) + 1
                     break
                 bar.update(len(self.step()))
+            self.reset_decode()  # the step in flight (async_decode) ran finished rows only
         self.stats["seconds"] += time.perf_counter() - t0
         for i, seqs in self._done.items():
             outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
@@ -279,8 +305,8 @@ class Engine:
         until each finishes), as ``generate`` starts a batch: a rollout rank of separate
         pools keeps one stream for the whole run."""
         self.pool.reset_prefix_cache()
+        self.reset_decode()
         self.stop_fn, self._done, self.timeline = None, {}, []
-        self.decode.reset()
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
 
@@ -289,8 +315,8 @@ class Engine:
         ``recompute`` every unfinished sample drops its KV and is re-prefilled (prompt and
         tokens so far) under the new weights, else it continues on the KV it has. Returns
         the samples cut."""
+        self.reset_decode()  # the step in flight ran on the old weights, as a sync one
         self.pool.reset_prefix_cache()
-        self.decode.reset()
         self.packed.reset(keep=False)
         if not recompute:
             return 0
@@ -308,12 +334,12 @@ class Engine:
         """Start a batch: queue ``(request, params)`` pairs and reset the per-batch state.
         ``generate`` runs it to the end; a caller that drives :meth:`step` itself (the
         multi-turn rollout, which resumes sequences between steps) calls this first."""
+        self.reset_decode()
         if not self.scheduler.has_work() and not self.scheduler.parked:
             # the weights may have changed since the last call: cached prefixes are stale
             self.pool.reset_prefix_cache()
         outs = [self.add_request(i, r, p) for i, (r, p) in enumerate(requests)]
         self.stop_fn, self._done, self.timeline = stop_fn, {}, []
-        self.decode.reset()
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
         if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
@@ -333,6 +359,7 @@ class Engine:
         from orbitrl.engine.sampler import row_key
         from orbitrl.engine.sequence import Status
 
+        self.reset_decode()
         if seq.status != Status.PARKED:
             raise OrbitError(f"resume: sequence {seq.req_index}/{seq.sample} is not parked")
         vocab = self.config.vocab_size
@@ -356,7 +383,6 @@ class Engine:
             bisect.insort(sch.swapped, seq, key=lambda s: (s.arrival, s.sample))
         else:
             sch.add_running(seq)
-        self.decode.reset()
 
     def swap_parked(self, seq: Sequence) -> int:
         """Copy a parked sequence's KV to host memory and free its blocks while its
@@ -379,8 +405,8 @@ class Engine:
         if self._decode_ready():
             done = self._decode_step()
             if done is not None:
-                return done
-        self.decode.reset()
+                return self._with_early(done)
+        self.reset_decode()
         batch = self.scheduler.schedule()
         if not batch.items:
             raise RuntimeError("engine: scheduler made no progress (pool too small?)")
@@ -397,7 +423,13 @@ class Engine:
         # steps with few sequences (see orbitrl.observe.flops)
         self.timeline.append((len(batch.items), sum(n for _, n in batch.items),
                               time.perf_counter() - t0))
-        return out
+        return self._with_early(out)
+
+    def _with_early(self, finished: list[Sequence]) -> list[Sequence]:
+        """``finished`` after the sequences a drained step finished (see _drain)."""
+        if self._early:
+            finished, self._early = self._early + finished, []
+        return finished
 
     def postprocess(self, items, logits, seqs: list[Sequence]) -> list[Sequence]:
         for seq, n in items:
@@ -489,43 +521,93 @@ class Engine:
 
     def _decode_step(self) -> list[Sequence] | None:
         """One step of the static decode runner; None (nothing done) when the pool is
-        short of blocks (the general path then preempts)."""
+        short of blocks (the general path then preempts). With ``async_decode`` the step
+        is launched before the previous one's values are read: the host appends that
+        step's tokens, checks its stop conditions and retires its finished rows while the
+        device runs this one (a row that finished runs one extra step, discarded)."""
         st, t0 = self.decode, time.perf_counter()
-        copies = st.prepare(self.pool) if st.valid and st.n == len(self.scheduler.running) \
-            else st.register(list(self.scheduler.running), self.pool)
+        n = st.n
+        if st.valid and n == len(self.scheduler.running):
+            if self._flight is not None and (st.pos_h[:n] > st.last_h[:n]).all():
+                self._drain()  # every row ends at the step in flight: launch no other
+                return []
+            copies = st.prepare(self.pool)
+        else:
+            assert self._flight is None, "a reset drains the step in flight"
+            copies = st.register(list(self.scheduler.running), self.pool)
         if copies is None:
+            self._drain()
             return None
         self.cache.copy_blocks(copies)
         st.flush()
-        vals = self.decode_runner.run()
+        n = st.n
+        launched = _Launched(self.decode_runner.launch(), list(st.seqs), st.pos_h[:n].copy(),
+                             self.stop_fn is not None or (self.tokenizer is not None
+                                                          and st.stop_strings > 0))
+        for seq in launched.seqs:
+            seq.num_computed += 1  # the step writes the KV of each row's last token
         st.advance()
-        host = self.stop_fn is not None or (self.tokenizer is not None and st.stop_strings)
-        ended = []
-        for row, (seq, (t, lp, raw, why)) in enumerate(zip(st.seqs, vals)):
+        self.stats["steps"] += 1
+        # not while hooked: a hook would see the extra step of a finished row
+        if self.async_decode and not self.decode_runner.hooked:
+            prev, self._flight = self._flight, launched
+            finished = self._finish_step(prev, launched) if prev is not None else []
+        else:
+            finished = self._finish_step(launched, None)
+        self.timeline.append((n, n, time.perf_counter() - t0))
+        return finished
+
+    def _finish_step(self, done: "_Launched", nxt: "_Launched | None") -> list[Sequence]:
+        """Read a launched decode step's values: append each live row's token, register
+        the KV blocks it filled, retire the rows that finished. ``nxt``: the step launched
+        after it (async), whose rows of those sequences become dead."""
+        vals = self.decode_runner.fetch(done.handle)
+        bs, host, live, ended = self.pool.block_size, done.host, 0, []
+        for row, (seq, (t, lp, raw, why)) in enumerate(zip(done.seqs, vals)):
+            if row in done.dead:
+                continue
+            live += 1
             seq.token_ids.append(int(t))
             seq.logprobs.append(lp)
             seq.raw_logprobs.append(raw)
-            seq.num_computed += 1
+            computed = int(done.pos[row]) + 1
+            if computed % bs == 0:  # a block just filled
+                self.pool.commit(seq, computed)
             if why or host:
                 reason = "stop" if why == 1 or (host and self._host_stop(seq)) else \
                     "length" if why == 2 else None
                 if reason is not None:
-                    ended.append((row, seq, reason))
-        n, bs = st.n, self.pool.block_size
-        for row in np.flatnonzero(st.pos_h[:n] % bs == 0).tolist():  # blocks just filled
-            self.pool.commit(st.seqs[row])
-        for row, seq, reason in ended:
+                    ended.append((seq, reason, computed))
+        self.stats["generated_tokens"] += live
+        if not ended:
+            return []
+        for seq, reason, computed in ended:
+            seq.num_computed = computed  # a step launched since may have written one more
             seq.finish_reason = reason
             self._finalize_text(seq)
             self.scheduler.finish(seq)
             self._done.setdefault(seq.req_index, []).append(seq)
-        rows = [r for r, _, _ in ended]
-        finished = [seq for _, seq, _ in ended]
-        st.remove(rows)
-        self.stats["steps"] += 1
-        self.stats["generated_tokens"] += n
-        self.timeline.append((n, n, time.perf_counter() - t0))
-        return finished
+        where = {id(s): r for r, s in enumerate(self.decode.seqs)}
+        rows = [where[id(seq)] for seq, _, _ in ended]
+        self.decode.remove(rows)
+        if nxt is not None:
+            nxt.dead.update(rows)  # nxt was launched on the layout before this removal
+        return [seq for seq, _, _ in ended]
+
+    def _drain(self) -> None:
+        """Read the decode step in flight, if any (async_decode); the sequences it
+        finished are returned by the next :meth:`step`."""
+        if self._flight is not None:
+            launched, self._flight = self._flight, None
+            self.decode.flush()  # the removal queued since its launch, before another
+            self._early += self._finish_step(launched, None)
+
+    def reset_decode(self) -> None:
+        """Read the decode step in flight and forget the decode rows (before anything that
+        changes the running sequences outside a step: an abort, a pool resize, new
+        weights, a resumed turn)."""
+        self._drain()
+        self.decode.reset()
 
     def _finalize_text(self, seq: Sequence) -> None:
         if self.tokenizer is None:

@@ -114,8 +114,8 @@ class RolloutWorker:
         now = time.perf_counter()
         for o in [o for o in self.orders.values() if now - o.t0 > self.timeout_s]:
             reqs = {k for k, v in self.requests.items() if v[0] == o.step}
+            self.engine.reset_decode()  # the step in flight first: it may finish some
             dropped = self.engine.scheduler.abort(lambda seq: seq.req_index in reqs)
-            self.engine.decode.reset()
             for seq in dropped:
                 self.versions.pop((seq.req_index, seq.sample), None)
             n = self.cfg.rollout.n
