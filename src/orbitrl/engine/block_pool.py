@@ -134,6 +134,15 @@ class BlockPool:
         for b in child.block_table:
             self.ref[b] += 1
 
+    def trim(self, seq: Sequence, num_blocks: int) -> None:
+        """Drop the sequence's blocks past its first ``num_blocks`` (claimed for a token
+        whose step was discarded)."""
+        while len(seq.block_table) > num_blocks:
+            b = seq.block_table.pop()
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks that reach zero become free (hash kept)."""
         for b in reversed(seq.block_table):

@@ -24,7 +24,8 @@ from orbitrl.engine.packed import PackedLinears
 from orbitrl.engine.paged_attention import KVCache
 from orbitrl.engine.sampler import sample
 from orbitrl.engine.scheduler import Scheduler
-from orbitrl.engine.sequence import Completion, Request, RequestOutput, SamplingParams, Sequence
+from orbitrl.engine.sequence import (Completion, Request, RequestOutput, SamplingParams,
+                                     Sequence, Status)
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.kv import kv_blocks_for_budget, kv_bytes_per_block
 
@@ -87,7 +88,9 @@ class Engine:
             step k's values, so that the host's per-token work (appending tokens, stop
             strings, ``stop_fn``, retiring finished rows, block bookkeeping) runs while the
             device computes; a finished row runs one extra step whose token is discarded.
-            The samples are the same as without it (tested). Off while a module of the
+            The samples are the same as without it (tested); a sequence preempted for
+            recomputation may be re-admitted a step later, and its logprobs round apart
+            (about 1e-7). Off while a module of the
             model has forward hooks (they would see the extra steps). Default: on CUDA
             (where the step is queued and the host is free meanwhile); on a CPU the step
             runs on the host itself, so it only reorders the same work.
@@ -221,7 +224,7 @@ class Engine:
         out) and releases the memory; never below :meth:`min_blocks`. Returns the new size."""
         num_blocks = max(int(num_blocks), self.min_blocks())
         if num_blocks != self.pool.num_blocks:
-            self.reset_decode()  # (the step in flight reads and writes the old cache)
+            self._settle()  # (the step in flight reads and writes the old cache)
         if num_blocks < self.pool.num_blocks:
             sch = self.scheduler
             for seq in [s for s in sch.running if any(b >= num_blocks for b in s.block_table)]:
@@ -285,13 +288,13 @@ class Engine:
                 if self.memory_hook is not None:
                     self.memory_hook(self)
                 if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
-                    self.reset_decode()
-                    dropped = self.scheduler.abort_all()
+                    dropped = self.abort()
                     self.stats["aborted"] = self.stats.get("aborted", 0) + len(dropped)
                     self.stats["watchdog_events"] = self.stats.get("watchdog_events", 0) + 1
                     break
                 bar.update(len(self.step()))
-            self.reset_decode()  # the step in flight (async_decode) ran finished rows only
+            self._settle()  # the step in flight (async_decode) ran finished rows only
+            self._early = []  # (every sample is in _done)
         self.stats["seconds"] += time.perf_counter() - t0
         for i, seqs in self._done.items():
             outs[i].samples = [Completion(s.completion_ids, s.text, s.logprobs, s.raw_logprobs,
@@ -305,8 +308,8 @@ class Engine:
         until each finishes), as ``generate`` starts a batch: a rollout rank of separate
         pools keeps one stream for the whole run."""
         self.pool.reset_prefix_cache()
-        self.reset_decode()
-        self.stop_fn, self._done, self.timeline = None, {}, []
+        self._settle()
+        self.stop_fn, self._done, self.timeline, self._early = None, {}, [], []
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
 
@@ -315,7 +318,7 @@ class Engine:
         ``recompute`` every unfinished sample drops its KV and is re-prefilled (prompt and
         tokens so far) under the new weights, else it continues on the KV it has. Returns
         the samples cut."""
-        self.reset_decode()  # the step in flight ran on the old weights, as a sync one
+        self._settle()  # the step in flight ran on the old weights, as a sync one
         self.pool.reset_prefix_cache()
         self.packed.reset(keep=False)
         if not recompute:
@@ -334,12 +337,12 @@ class Engine:
         """Start a batch: queue ``(request, params)`` pairs and reset the per-batch state.
         ``generate`` runs it to the end; a caller that drives :meth:`step` itself (the
         multi-turn rollout, which resumes sequences between steps) calls this first."""
-        self.reset_decode()
+        self._settle()
         if not self.scheduler.has_work() and not self.scheduler.parked:
             # the weights may have changed since the last call: cached prefixes are stale
             self.pool.reset_prefix_cache()
         outs = [self.add_request(i, r, p) for i, (r, p) in enumerate(requests)]
-        self.stop_fn, self._done, self.timeline = stop_fn, {}, []
+        self.stop_fn, self._done, self.timeline, self._early = stop_fn, {}, [], []
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
         if self.pool.num_blocks < (least := self.min_blocks()):  # a throttled pool must
@@ -357,9 +360,8 @@ class Engine:
         from dataclasses import replace
 
         from orbitrl.engine.sampler import row_key
-        from orbitrl.engine.sequence import Status
 
-        self.reset_decode()
+        self._settle()
         if seq.status != Status.PARKED:
             raise OrbitError(f"resume: sequence {seq.req_index}/{seq.sample} is not parked")
         vocab = self.config.vocab_size
@@ -406,7 +408,7 @@ class Engine:
             done = self._decode_step()
             if done is not None:
                 return self._with_early(done)
-        self.reset_decode()
+        self._settle()
         batch = self.scheduler.schedule()
         if not batch.items:
             raise RuntimeError("engine: scheduler made no progress (pool too small?)")
@@ -532,11 +534,17 @@ class Engine:
                 self._drain()  # every row ends at the step in flight: launch no other
                 return []
             copies = st.prepare(self.pool)
+            if copies is None and self._flight is not None:
+                # the blocks of the rows the step in flight finished are not free yet:
+                # read it (as the synchronous engine would have), then try again
+                self._drain()
+                if not st.n:
+                    return []
+                copies = st.prepare(self.pool)
         else:
             assert self._flight is None, "a reset drains the step in flight"
             copies = st.register(list(self.scheduler.running), self.pool)
         if copies is None:
-            self._drain()
             return None
         self.cache.copy_blocks(copies)
         st.flush()
@@ -552,9 +560,12 @@ class Engine:
         if self.async_decode and not self.decode_runner.hooked:
             prev, self._flight = self._flight, launched
             finished = self._finish_step(prev, launched) if prev is not None else []
+            if not st.n:  # every row of the step in flight is dead: nothing to overlap
+                self._drain()
         else:
             finished = self._finish_step(launched, None)
-        self.timeline.append((n, n, time.perf_counter() - t0))
+        # (rows, tokens kept: a dead row's token is discarded, seconds)
+        self.timeline.append((n, n - len(launched.dead), time.perf_counter() - t0))
         return finished
 
     def _finish_step(self, done: "_Launched", nxt: "_Launched | None") -> list[Sequence]:
@@ -564,7 +575,7 @@ class Engine:
         vals = self.decode_runner.fetch(done.handle)
         bs, host, live, ended = self.pool.block_size, done.host, 0, []
         for row, (seq, (t, lp, raw, why)) in enumerate(zip(done.seqs, vals)):
-            if row in done.dead:
+            if row in done.dead or seq.status is not Status.RUNNING:
                 continue
             live += 1
             seq.token_ids.append(int(t))
@@ -582,7 +593,12 @@ class Engine:
         if not ended:
             return []
         for seq, reason, computed in ended:
-            seq.num_computed = computed  # a step launched since may have written one more
+            # a step launched since may have written one more token's KV, into a block
+            # claimed for it: the sequence keeps what this step left (a parked turn holds
+            # the blocks it would hold without the overlap; a block freed here is reused
+            # only by work queued after that step)
+            seq.num_computed = computed
+            self.pool.trim(seq, -(-computed // bs))
             seq.finish_reason = reason
             self._finalize_text(seq)
             self.scheduler.finish(seq)
@@ -602,12 +618,28 @@ class Engine:
             self.decode.flush()  # the removal queued since its launch, before another
             self._early += self._finish_step(launched, None)
 
-    def reset_decode(self) -> None:
+    def _settle(self) -> None:
         """Read the decode step in flight and forget the decode rows (before anything that
         changes the running sequences outside a step: an abort, a pool resize, new
-        weights, a resumed turn)."""
+        weights, a resumed turn); the sequences it finished come back from the next
+        :meth:`step`."""
         self._drain()
         self.decode.reset()
+
+    def reset_decode(self) -> list[Sequence]:
+        """For a caller that drives :meth:`step` itself: read the decode step in flight
+        (``async_decode``) and forget the decode rows, before it changes what the engine
+        runs (new weights, an abort). Returns the sequences that step finished (with any
+        other finished sequence not yet returned by ``step``): the caller's now."""
+        self._settle()
+        return self._with_early([])
+
+    def abort(self, which=None) -> list[Sequence]:
+        """Drop the unfinished sequences ``which(seq)`` selects (all when None), parked
+        ones included, and release their KV; the step in flight is read first, and a
+        sequence it finishes is not dropped (the next :meth:`step` returns it)."""
+        self._settle()
+        return self.scheduler.abort(which or (lambda seq: True))
 
     def _finalize_text(self, seq: Sequence) -> None:
         if self.tokenizer is None:

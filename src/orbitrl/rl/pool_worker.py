@@ -94,6 +94,9 @@ class RolloutWorker:
         if kind == STOP:
             return True
         if kind == WEIGHTS:
+            # the step in flight (async decode) ran on the weights it was launched with:
+            # its tokens get the version before this one
+            self._account(self.engine.reset_decode())
             st = self.sync.receive(a, b, c)
             self.version = a
             self.counters["syncs"] += 1
@@ -114,8 +117,9 @@ class RolloutWorker:
         now = time.perf_counter()
         for o in [o for o in self.orders.values() if now - o.t0 > self.timeout_s]:
             reqs = {k for k, v in self.requests.items() if v[0] == o.step}
-            self.engine.reset_decode()  # the step in flight first: it may finish some
-            dropped = self.engine.scheduler.abort(lambda seq: seq.req_index in reqs)
+            # the step in flight first (async decode): the samples it finishes count
+            self._account(self.engine.reset_decode())
+            dropped = self.engine.abort(lambda seq: seq.req_index in reqs)
             for seq in dropped:
                 self.versions.pop((seq.req_index, seq.sample), None)
             n = self.cfg.rollout.n
@@ -154,7 +158,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         done = eng.step()
         eng.stats["seconds"] += time.perf_counter() - t0
-        for seq in eng.scheduler.running + done:
+        self._account(done)
+
+    def _account(self, done):
+        """Label the tokens sampled since the last call with the current weight version;
+        finished samples go to their orders."""
+        for seq in self.engine.scheduler.running + done:
             vs = self.versions.setdefault((seq.req_index, seq.sample), [])
             vs.extend([self.version] * (seq.num_completion - len(vs)))
         for seq in done:

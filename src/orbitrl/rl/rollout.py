@@ -130,7 +130,7 @@ class Rollouts:
 
         def hook(engine):
             if stop():
-                engine.scheduler.abort_all()
+                engine.abort()
                 raise stop_error()
             if gov is not None:
                 gov(engine)

@@ -252,7 +252,7 @@ class TurnLoop:
 
     def _abort(self, trajs, calls) -> None:
         """The rollout watchdog: everything unfinished is dropped and its KV released."""
-        self.engine.scheduler.abort_all()
+        self.engine.abort()
         self.engine.stats["watchdog_events"] = self.engine.stats.get("watchdog_events", 0) + 1
         calls.cancel_all()
         for t in trajs:
