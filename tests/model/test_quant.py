@@ -108,8 +108,17 @@ def test_int4_matches_torchao_affine_quantization():
     assert torch.equal(quant.dequantize_int4(packed, scales), ref)
 
 
+def _to_nf4():
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:  # torchao < 0.18 (what quant._torchao falls back to)
+        from torchao.dtypes import to_nf4
+    return to_nf4
+
+
 def test_nf4_and_int8_are_torchao():
-    from torchao.quantization import Int8Tensor, NF4Tensor, to_nf4
+    ao = quant._torchao()
+    Int8Tensor, NF4Tensor, to_nf4 = ao.Int8Tensor, ao.NF4Tensor, _to_nf4()
     w, _ = _w()
     nf = FrozenLinear(w, None, "nf4")
     assert isinstance(nf.weight, NF4Tensor)
@@ -122,7 +131,7 @@ def test_nf4_and_int8_are_torchao():
 @pytest.mark.parametrize("shape", [(96, 64), (384, 128), (128, 384), (256, 256)])
 def test_nf4_dequantize_is_torchao_bit_for_bit(shape, dtype):
     """The one-gather NF4 dequantization equals torchao's, value for value and dtype."""
-    from torchao.quantization import to_nf4
+    to_nf4 = _to_nf4()
 
     w = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
     ref = to_nf4(w, 64, 32)

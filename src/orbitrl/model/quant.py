@@ -41,10 +41,17 @@ QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|block_sparse
 
 
 def _torchao():
-    """torchao.quantization (its start-up noise is filtered by orbitrl._quiet)."""
-    from torchao.quantization import Int8Tensor, NF4Tensor  # noqa: F401
-    import torchao.quantization as q
-    return q
+    """torchao's ``Int8Tensor`` and ``NF4Tensor`` as attributes of one namespace (its
+    start-up noise is filtered by orbitrl._quiet). NF4Tensor moved to
+    ``torchao.quantization`` in 0.18; before, it lives in ``torchao.dtypes``."""
+    from types import SimpleNamespace
+
+    from torchao.quantization import Int8Tensor
+    try:
+        from torchao.quantization import NF4Tensor
+    except ImportError:  # torchao < 0.18
+        from torchao.dtypes import NF4Tensor
+    return SimpleNamespace(Int8Tensor=Int8Tensor, NF4Tensor=NF4Tensor)
 
 
 def check_format(fmt: str, device="cpu", key: str = "base_format") -> None:
