@@ -186,16 +186,17 @@ def run_hf_generate(path, prompts, lengths, cap):
 
 
 CB_DEADLINE_S = 300  # a continuous-batching run that has not finished by then failed
+# (--quick: 25 s, inside scripts/gpu_check.sh's limit for the whole script)
 
 
 def run_hf_batch(path, prompts, lengths, cap):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                          max_new_tokens=cap, eos_token_id=-1, pad_token_id=0)
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           max_new_tokens=cap, eos_token_id=-1, pad_token_id=0)
     torch.cuda.reset_peak_memory_stats()
-    with model.continuous_batching_context_manager(generation_config=gc, block=True,
+    with model.continuous_batching_context_manager(generation_config=gen, block=True,
                                                    timeout=5) as man:
         t0 = time.perf_counter()
         rids = [man.add_request(p, max_new_tokens=L) for p, row in zip(prompts, lengths)
@@ -283,6 +284,9 @@ def main():
     if not torch.cuda.is_available():
         print("bench_engine_gpu: no CUDA device here; this benchmark needs one (nothing run)")
         return 0
+    global CB_DEADLINE_S
+    if a.quick:
+        CB_DEADLINE_S = 25
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)

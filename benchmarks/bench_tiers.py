@@ -104,7 +104,7 @@ def _train_row(args, dev, tiers: int) -> dict:
         out.update(hits=s.hits / steps, misses=s.misses / steps,
                    from_host=s.bytes_from_host / steps, layers=s.peak_resident_layers)
         out.setdefault("peak", s.peak_device_bytes)
-    del model, opt
+    del model, opt, res  # (the residency's hooks keep the model alive while it lives)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

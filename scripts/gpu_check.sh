@@ -13,8 +13,11 @@
 # into a temporary folder;
 # a package still missing stops the check at once, named. PYTHON picks the interpreter
 # (default python3); GPU_CHECK_LOG=FILE also writes everything printed to FILE.
-# Each part runs under its own time limit (an overrun fails the check instead of stalling).
-# A module that does not import stops it with exit status 1, no CUDA device with 2.
+# Each part runs under its own time limit (an overrun fails that part instead of stalling);
+# every part runs even when one before it failed, and the check exits 1 at the end if any
+# did. A module that does not import stops it with exit status 1 before any GPU work, no
+# CUDA device with 2. To a machine reached through a copy of the working tree, bring the
+# ignored .whl/ folder along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -n "${GPU_CHECK_LOG:-}" ]]; then
@@ -57,6 +60,27 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 "$PY" -c "import torch, triton, transformers, torchao; print('gpu_check: device', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| torchao', torchao.__version__)"
+# what the checks need beyond importing: from_config/from_pretrained(dtype=...) (transformers
+# 4.56), torchao's int8 and NF4 tensors (the frozen bases)
+if ! "$PY" - <<'PYEOF'
+import sys
+import transformers
+from packaging.version import Version
+from orbitrl.model import quant
+bad = []
+if Version(transformers.__version__) < Version("4.56"):
+    bad.append(f"transformers {transformers.__version__} (the checks need 4.56 or newer)")
+try:
+    quant._torchao()
+except ImportError as e:
+    bad.append(f"torchao's Int8Tensor / NF4Tensor ({e})")
+if bad:
+    print("gpu_check: FAILED: " + "; ".join(bad), file=sys.stderr)
+sys.exit(1 if bad else 0)
+PYEOF
+then
+    exit 1
+fi
 
 if [[ "${1:-}" == "--preflight" ]]; then
     echo "gpu_check: preflight passed (packages import, a CUDA device is present)"
@@ -64,6 +88,7 @@ if [[ "${1:-}" == "--preflight" ]]; then
 fi
 
 start=$SECONDS
+failed=()  # every part runs; the check fails at the end if any part did
 # only the files that hold gpu tests: a module skipped at import elsewhere (an optional
 # package missing) must not read as a skipped gpu test
 files=$(grep -rlE "pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu" tests --include="test_*.py" | sort || true)
@@ -74,19 +99,24 @@ fi
 echo "== tests marked gpu in" $files "(limit 200 s)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-timeout 200 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider $files 2>&1 | tee "$log"
-if grep -qE "[0-9]+ skipped" "$log"; then  # with a device present none may be skipped
-    echo "gpu_check: FAILED: gpu tests were skipped on a machine with a CUDA device" >&2
-    exit 1
+if ! timeout 200 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider $files 2>&1 | tee "$log"; then
+    failed+=("gpu tests")
+elif grep -qE "[0-9]+ skipped" "$log"; then  # with a device present none may be skipped
+    echo "gpu_check: gpu tests were skipped on a machine with a CUDA device" >&2
+    failed+=("gpu tests (skipped)")
 fi
 
-echo "== benchmarks/bench_tiers.py: tiers and the pulled reference on CUDA (limit 100 s)"
-timeout 100 "$PY" benchmarks/bench_tiers.py --steps 4 --tiers 1,2,4
+echo "== benchmarks/bench_tiers.py --quick: tiers and the pulled reference on CUDA (limit 60 s)"
+timeout 60 "$PY" benchmarks/bench_tiers.py --quick --steps 4 --tiers 1,2,4 || failed+=("bench_tiers")
 
-echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 110 s)"
-timeout 110 "$PY" benchmarks/bench_engine_gpu.py --quick
+echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 150 s)"
+timeout 150 "$PY" benchmarks/bench_engine_gpu.py --quick || failed+=("bench_engine_gpu")
 
 echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 60 s)"
-timeout 60 "$PY" benchmarks/bench_attention_kernels.py --quick
+timeout 60 "$PY" benchmarks/bench_attention_kernels.py --quick || failed+=("bench_attention_kernels")
 
+if (( ${#failed[@]} )); then
+    echo "gpu_check: FAILED after $((SECONDS - start)) s: ${failed[*]}" >&2
+    exit 1
+fi
 echo "gpu_check: passed in $((SECONDS - start)) s"
