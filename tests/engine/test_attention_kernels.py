@@ -346,29 +346,6 @@ def test_gpu_prefill_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_faster_than_gather():
-    """At batch 512 the in-place kernel beats gathering every context (the path it replaces)."""
-    cache, bt, ctx, q = _gpu_batch(512, False)
-    kw = _kw(cache, 16)
-
-    def timed(backend):
-        def f():
-            return paged_decode(q, cache.k[0], cache.v[0], bt, ctx, backend=backend, **kw)
-
-        for _ in range(3):
-            f()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            f()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-
-    assert timed("triton") < timed("torch")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend,grouped", [("torch", False), ("triton", False),
                                              ("triton", True)])
 def test_gpu_decode_captures(backend, grouped):
