@@ -239,3 +239,23 @@ def test_off_while_hooked(model):
     finally:
         hook.remove()
     assert len(out.samples[0].token_ids) == 5 and len(rows) == 5
+
+
+def test_resize_every_step_reads_the_last_rows(model):
+    """A governor resizing the pool before every step reads the step in flight; when that
+    step finished every sample, the next step() returns them (no empty schedule)."""
+    runs = []
+    for async_decode in (False, True):
+        eng = Engine(model, static_decode=True, async_decode=async_decode,
+                     kv_budget_bytes=1 << 20, block_size=4)
+        flip = [0]
+
+        def hook(e):
+            flip[0] ^= 1
+            e.resize_pool(e.pool.num_blocks + (1 if flip[0] else -1))
+
+        eng.memory_hook = hook
+        runs.append(_samples(eng.generate(random_prompts([5, 7]), SamplingParams(
+            n=2, max_tokens=9, seed=1, ignore_eos=True))))
+        _pool_empty(eng)
+    assert runs[0] == runs[1]

@@ -65,6 +65,7 @@ class DecodeState:
         self.grown = False  # a buffer was reallocated (captured graphs are stale)
         self.filtered = 0  # rows with top-k / top-p (the runner sorts only if any)
         self.stop_strings = 0  # rows with stop strings (checked on the host)
+        self._stage, self._flip = None, 0  # CUDA: pinned staging buffers (_upload)
         self._clear_queue()
 
     # ---- host bookkeeping ------------------------------------------------------------
@@ -173,8 +174,7 @@ class DecodeState:
             return
         flat = [x for mv in self._moves for x in mv] + [x for row in self._rows for x in row] \
             + [x for el in self._elems for x in el]
-        dev = torch.from_numpy(np.asarray(flat, dtype=np.int64)).to(self.device,
-                                                                      non_blocking=True)
+        dev = self._upload(np.asarray(flat, dtype=np.int64))
         if m:
             mv = dev[:2 * m].view(m, 2)
             for buf in self._buffers():
@@ -189,6 +189,32 @@ class DecodeState:
             el = dev[len(flat) - 3 * e:].view(e, 3)
             self.block_tables.index_put_((el[:, 0], el[:, 1]), el[:, 2].int())
         self._clear_queue()
+
+    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+        """``arr`` on the device. On CUDA through one of two pinned staging buffers: a copy
+        from pageable memory may wait for the work queued before it (the step in flight,
+        which the engine's async decode overlaps with this); a buffer is refilled once its
+        previous copy has run (an event)."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(arr).to(self.device)
+        k = len(arr)
+        if self._stage is None or self._stage[0][0].numel() < k:
+            for _, ev in self._stage or []:
+                if ev is not None:
+                    ev.synchronize()
+            size = max(k, 4096)
+            self._stage = [[torch.empty(size, dtype=torch.int64, pin_memory=True), None]
+                           for _ in range(2)]
+        slot = self._stage[self._flip]
+        self._flip ^= 1
+        if slot[1] is not None:
+            slot[1].synchronize()
+        host = slot[0][:k]
+        host.copy_(torch.from_numpy(arr))
+        dev = host.to(self.device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record()
+        return dev
 
     def _buffers(self):
         return [getattr(self, f) for f in _INT_FIELDS + _FLOAT_FIELDS] + [

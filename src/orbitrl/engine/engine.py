@@ -409,6 +409,8 @@ class Engine:
             if done is not None:
                 return self._with_early(done)
         self._settle()
+        if not self.scheduler.has_work():  # the step in flight finished every sequence
+            return self._with_early([])
         batch = self.scheduler.schedule()
         if not batch.items:
             raise RuntimeError("engine: scheduler made no progress (pool too small?)")

@@ -115,10 +115,14 @@ class RolloutWorker:
         if not self.timeout_s:
             return
         now = time.perf_counter()
-        for o in [o for o in self.orders.values() if now - o.t0 > self.timeout_s]:
+        late = [o for o in self.orders.values() if now - o.t0 > self.timeout_s]
+        if not late:
+            return
+        # the step in flight first (async decode): the samples it finishes count, and an
+        # order it completes goes to the leader as usual (not as a watchdog's)
+        self._account(self.engine.reset_decode())
+        for o in [o for o in late if o.step in self.orders]:
             reqs = {k for k, v in self.requests.items() if v[0] == o.step}
-            # the step in flight first (async decode): the samples it finishes count
-            self._account(self.engine.reset_decode())
             dropped = self.engine.abort(lambda seq: seq.req_index in reqs)
             for seq in dropped:
                 self.versions.pop((seq.req_index, seq.sample), None)

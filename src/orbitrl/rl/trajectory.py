@@ -205,7 +205,7 @@ class TurnLoop:
         eng, n = self.engine, self.n
         while eng.scheduler.has_work() or calls.pending:
             if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
-                self._abort(trajs, calls)
+                self._abort(trajs, calls, stats)
                 break
             if eng.scheduler.has_work():
                 if eng.memory_hook is not None:
@@ -250,8 +250,12 @@ class TurnLoop:
                      kv_wait_device_bytes_predicted=price["device"],
                      kv_wait_host_bytes_predicted=price["host"])
 
-    def _abort(self, trajs, calls) -> None:
-        """The rollout watchdog: everything unfinished is dropped and its KV released."""
+    def _abort(self, trajs, calls, stats) -> None:
+        """The rollout watchdog: everything unfinished is dropped and its KV released (the
+        turns the engine's step in flight finished are recorded first)."""
+        for seq in self.engine.reset_decode():
+            self._turn_done(trajs[self._index[seq.req_index] * self.n + seq.sample], seq,
+                            calls, stats)
         self.engine.abort()
         self.engine.stats["watchdog_events"] = self.engine.stats.get("watchdog_events", 0) + 1
         calls.cancel_all()
