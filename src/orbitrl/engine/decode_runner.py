@@ -307,7 +307,7 @@ class DecodeRunner:
         self._flip ^= 1
         buf.copy_(self.out[:n], non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(st.device))
         return buf, done
 
     @staticmethod

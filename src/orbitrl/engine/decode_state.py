@@ -213,7 +213,7 @@ class DecodeState:
         host.copy_(torch.from_numpy(arr))
         dev = host.to(self.device, non_blocking=True)
         slot[1] = torch.cuda.Event()
-        slot[1].record()
+        slot[1].record(torch.cuda.current_stream(self.device))
         return dev
 
     def _buffers(self):
