@@ -203,7 +203,7 @@ class DecodeRunner:
         self.capture = self.graphs  # this generate's choice (begin)
         self.hooked = False  # a module has forward hooks (begin): no graphs, no async
         self.packed = None  # the engine's PackedLinears (CPU only)
-        self.grouped = False  # this step passes prefix groups to the kernel (run)
+        self.grouped = False  # this step passes prefix groups to the kernel (launch)
         self._host, self._flip = None, 0  # CUDA: pinned output buffers (launch)
 
     def bucket(self, n: int) -> int:
@@ -271,11 +271,6 @@ class DecodeRunner:
         st.counters[:b] += valid
         st.context_lens[:b] += valid.int()
 
-    def run(self) -> list[list[float]]:
-        """One decode step of the ``state.n`` rows. Returns per row [token, logprob, raw
-        logprob, reason] (one device-to-host copy)."""
-        return self.fetch(self.launch())
-
     def launch(self):
         """Start one decode step of the ``state.n`` rows and return a handle for
         :meth:`fetch`. On CUDA the step is queued (a graph replay, then its output copied
@@ -312,7 +307,8 @@ class DecodeRunner:
 
     @staticmethod
     def fetch(handle) -> list[list[float]]:
-        """A launched step's values per row (waits for the step on CUDA)."""
+        """A launched step's values per row, [token, logprob, raw logprob, reason] (waits
+        for the step on CUDA)."""
         if isinstance(handle, list):
             return handle
         buf, done = handle

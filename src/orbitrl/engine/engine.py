@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import time
 
-import numpy as np
 import torch
 
 from orbitrl.engine.block_pool import BlockPool
@@ -90,10 +89,10 @@ class Engine:
             device computes; a finished row runs one extra step whose token is discarded.
             The samples are the same as without it (tested); a sequence preempted for
             recomputation may be re-admitted a step later, and its logprobs round apart
-            (about 1e-7). Off while a module of the
-            model has forward hooks (they would see the extra steps). Default: on CUDA
-            (where the step is queued and the host is free meanwhile); on a CPU the step
-            runs on the host itself, so it only reorders the same work.
+            (about 1e-7). Off while a module of the model has forward hooks (they would
+            see the extra steps). Default: on CUDA (where the step is queued and the host
+            is free meanwhile); on a CPU the step runs on the host itself, so it only
+            reorders the same work.
         packed_bytes: CPU: budget for oneDNN-packed copies of the fp32 projections
             (engine/packed.py: q/k/v and gate/up packed as one GEMM each; kept across
             batches while the weights do not change); 0 turns them off. With them, the
