@@ -306,8 +306,8 @@ class Engine:
         """Start a stream of requests added one at a time (``add_request``, then ``step``
         until each finishes), as ``generate`` starts a batch: a rollout rank of separate
         pools keeps one stream for the whole run."""
+        self._settle()  # (first: the step in flight may hash blocks)
         self.pool.reset_prefix_cache()
-        self._settle()
         self.stop_fn, self._done, self.timeline, self._early = None, {}, [], []
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
