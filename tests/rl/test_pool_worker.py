@@ -25,10 +25,10 @@ class _Sent:
         pass
 
 
-def _worker(mode: str, timeout_s: float):
+def _worker(mode: str, timeout_s: float, max_tokens: int = 40):
     cfg = load_config(overrides=["schedule.shape=async", f"train.mode={mode}",
                                  "model.base_dtype=fp32", "rollout.n=2",
-                                 "rollout.max_tokens=40", "rollout.kv_budget_mb=4",
+                                 f"rollout.max_tokens={max_tokens}", "rollout.kv_budget_mb=4",
                                  f"rollout.timeout_s={timeout_s}", "rollout.temperature=1.5"])
     torch.manual_seed(0)
     policy = build_policy(cfg, torch.device("cpu"), reference=False)
@@ -65,6 +65,36 @@ def test_watchdog_sends_whole_groups_and_keeps_other_orders():
     while 1 in w.orders:
         w._step()
     assert [r["step"] for r in w.ch.results] == [0, 1] and w.ch.results[1]["watchdog"] == 0
+
+
+def test_watchdog_reads_the_step_in_flight_first():
+    """With the engine's async decode (the CUDA default, forced here on a CPU), a late
+    order whose last samples the step in flight finishes is sent once, as finished (not
+    as the watchdog's)."""
+    for seed in range(10):
+        w, _ = _worker("adapter", 0, max_tokens=6)
+        eng = w.engine
+        eng.static_decode = eng.async_decode = True
+        eng.begin_stream()
+        w._add({"step": 0, "rows": [{"prompt": "1 + 1 =", "answer": "2"}], "first": 0,
+                "seed_index": seed})
+        while 0 in w.orders:
+            w._step()
+            st = eng.decode
+            n = st.n
+            if 0 in w.orders and eng._flight is not None and n and \
+                    (st.pos_h[:n] > st.last_h[:n]).all():
+                break  # every running sample ends at the step in flight
+        else:
+            continue
+        w.timeout_s = 1e-9
+        w.orders[0].t0 -= 1.0
+        w._watchdog()
+        assert [(r["step"], r["watchdog"]) for r in w.ch.results] == [(0, 0)]
+        assert len(w.ch.results[0]["samples"]) == 2 and not w.orders
+        assert eng.pool.num_free == eng.pool.num_blocks
+        return
+    raise AssertionError("no seed left the last samples in flight")
 
 
 def test_rollout_rank_builds_no_reference():
