@@ -165,15 +165,17 @@ def _task_env(task, args):
     return cfg
 
 
-def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int = 1024):
+def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None = None):
     """The shared evaluation path (``rl/evaluate.py``) over one engine running ``model``:
     prompts encoded as ``data`` says; ``env_cfg``, a run config whose ``env`` makes each
-    row a multi-turn trajectory."""
+    row a multi-turn trajectory; ``packed_mb``: ``--packed-mb`` (None: the engine's
+    default)."""
     from orbitrl.engine import Engine
     from orbitrl.model.tokenizer import encode_prompt
     from orbitrl.rl.evaluate import Evaluator
 
-    engine = Engine(model, tok, packed_bytes=packed_mb << 20)
+    engine = Engine(model, tok, **({} if packed_mb is None else
+                                   {"packed_bytes": packed_mb << 20}))
     encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
     turns = None
     if env_cfg is not None:

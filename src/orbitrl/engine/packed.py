@@ -151,8 +151,9 @@ class PackedLinears:
         self._thread = None
 
     def packed(self, unit: tuple[nn.Linear, ...]) -> tuple | None:
-        """``unit``'s (packed weight, bias, each member's columns or None), made or remade as needed; None if
-        it cannot be packed. Checked against the weights once per step."""
+        """``unit``'s (packed weight, bias, each member's columns or None), made or remade
+        as needed; None if it cannot be packed. Checked against the weights once per
+        step."""
         got = self._checked.get(id(unit))
         if got is not None:
             return got

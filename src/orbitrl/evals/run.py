@@ -30,7 +30,7 @@ class EvalOptions:
     (0: the task's default, at most half the model's context); seed: base seed (problem i
     uses seed * 1_000_003 + i); batch: sequences decoded at once; chat_template: wrap
     prompts in the model's template; greedy: run the greedy pass; packed_mb: the engine's
-    budget for oneDNN-packed weight copies on a CPU (``Engine(packed_bytes)``)."""
+    budget for oneDNN-packed weight copies on a CPU in MiB (None: ``Engine``'s default)."""
 
     n: int = 0
     k: tuple[int, ...] = (1, 10)
@@ -41,10 +41,11 @@ class EvalOptions:
     batch: int = 64
     chat_template: bool = False
     greedy: bool = True
-    packed_mb: int = 1024
+    packed_mb: int | None = None
 
 
-def sized_engine(model, tok, batch: int, packed_mb: int = 1024) -> Callable[[int], object]:
+def sized_engine(model, tok, batch: int, packed_mb: int | None = None
+                 ) -> Callable[[int], object]:
     """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them."""
     from orbitrl.engine import Engine
     from orbitrl.ledger.kv import kv_bytes_per_token
@@ -52,8 +53,9 @@ def sized_engine(model, tok, batch: int, packed_mb: int = 1024) -> Callable[[int
     cfg = model.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    kw = {} if packed_mb is None else {"packed_bytes": packed_mb << 20}
     return lambda longest: Engine(model, tok, kv_budget_bytes=batch * longest * per_token,
-                                  max_num_seqs=batch, packed_bytes=packed_mb << 20)
+                                  max_num_seqs=batch, **kw)
 
 
 def evaluate(task: Task, model, tok, opts: EvalOptions,
