@@ -52,3 +52,22 @@ def test_short_step_token_padding_matches_gemm_padding(hf_dirs, family, n):
     changed = (after[0] != before[0]).any(-1).any(-1).any(0).nonzero()[:, 0].tolist()
     assert changed == sorted(s.block_table[s.num_computed // 4] * 4 + s.num_computed % 4
                              for s in seqs)
+
+
+def test_kv_cache_layer_views_follow_a_resize():
+    """KVCache.layer keeps each layer's views between steps; a resize drops them, so the old
+    pool is freed (a throttled engine gives its memory back) and the next write lands in the
+    new one."""
+    import weakref
+
+    cache = KVCache(2, 2, 4, 3, 4, torch.float32, "cpu")
+    k, v = cache.layer(1)
+    assert k.data_ptr() == cache.k[1].data_ptr() and v.data_ptr() == cache.v[1].data_ptr()
+    del k, v
+    old = weakref.ref(cache.k)
+    cache.resize(5)
+    assert old() is None
+    cache.write(1, torch.tensor([17]), torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0))
+    k, v = cache.read(1, torch.tensor([17, 3]))
+    assert k[0].eq(1).all() and v[0].eq(2).all() and k[1].eq(0).all()
+    assert cache.k[1, 17].eq(1).all() and cache.k[0, 17].eq(0).all()

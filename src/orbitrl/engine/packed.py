@@ -234,10 +234,10 @@ class _Forward:
         if hit is None:
             return F.linear(x, m.weight, m.bias)
         w, bias, sizes = hit
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), w, bias, "none",
-                                               [None], "")
-        y = y.view(*shape[:-1], y.shape[-1])
+        if x.dim() >= 2:  # the op flattens the leading dimensions and restores them itself
+            y = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x[None], w, bias, "none", [None], "")[0]
         if sizes is None:
             return y
         outs = y.split(sizes, -1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from orbitrl.model.attention import decode_attention_exact, sdpa
 
@@ -61,6 +62,7 @@ class KVCache:
         """Reallocate for ``num_blocks`` blocks, keeping the slots both sizes have (the old
         tensors are released: a throttled pool gives its memory back)."""
         slots = num_blocks * self.block_size
+        self.__dict__.pop("_views", None)  # they would keep the old tensors alive
         names = ("k", "v", "k_scale", "v_scale") if self.fp8 else ("k", "v")
         for name in names:
             t = getattr(self, name)
@@ -74,6 +76,15 @@ class KVCache:
 
     def _fields(self):
         return (self.k, self.v, self.k_scale, self.v_scale) if self.fp8 else (self.k, self.v)
+
+    def layer(self, layer: int) -> tuple:
+        """(K, V) of one layer, ``[num_slots, Hkv, D]`` views kept between calls (a step
+        reads and writes each layer's twice; indexing makes a new view every time)."""
+        views = self.__dict__.get("_views")
+        if views is None or views[0] is not self.k or views[1] is not self.v:
+            views = self._views = (self.k, self.v, list(zip(self.k.unbind(0),
+                                                            self.v.unbind(0))))
+        return views[2][layer]
 
     @property
     def nbytes(self) -> int:
@@ -94,12 +105,14 @@ class KVCache:
             self.k_scale[layer].index_copy_(0, slots, ks)
             self.v_scale[layer].index_copy_(0, slots, vs)
         else:
-            self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+            kl, vl = self.layer(layer)
+            kl.index_copy_(0, slots, k if k.dtype == self.dtype else k.to(self.dtype))
+            vl.index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
 
     def read(self, layer: int, idx: torch.Tensor):
         """K, V of slots ``idx`` [M] -> two [M, Hkv, D] tensors in the compute dtype."""
-        k, v = self.k[layer].index_select(0, idx), self.v[layer].index_select(0, idx)
+        kl, vl = self.layer(layer)
+        k, v = kl.index_select(0, idx), vl.index_select(0, idx)
         if self.fp8:
             k = dequantize(k, self.k_scale[layer].index_select(0, idx), self.dtype)
             v = dequantize(v, self.v_scale[layer].index_select(0, idx), self.dtype)
@@ -216,29 +229,25 @@ class PagedAttention:
         # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]
         # rows past the scheduled tokens are padding (ModelRunner pads a short step's row
         # count): they write nothing, read nothing and come out zero
-        q, k, v = q[0], k[0], v[0]
+        n, hq, d, hkv = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
         real = self.slot_mapping.numel()
-        self.cache.write(layer, self.slot_mapping, k[:real], v[:real])
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        k, v = k.reshape(n, hkv, d), v.reshape(n, hkv, d)
+        self.cache.write(layer, self.slot_mapping, k[:real] if n > real else k,
+                         v[:real] if n > real else v)
         window = self.windows[layer]
+        if self.backend == "torch" and not self.prefills and self.num_decode:
+            # only decode tokens (most steps): their output, zero rows appended for padding
+            o = self._decode(layer, q.reshape(n, hq, d), hkv, window)
+            return (o if n == self.num_decode else
+                    F.pad(o, (0, 0, 0, 0, 0, n - self.num_decode)))[None]
+        q = q[0]
         out = torch.empty_like(q)
-        if q.shape[0] > real:
+        if n > real:
             out[real:].zero_()
         if self.backend == "triton":
             return self._kernels(layer, q, out, window)[None]
         if self.num_decode:
-            b, c = self.dec_shape
-            kc, vc = self.cache.read(layer, self.dec_idx)
-            kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
-            # the G query heads sharing one kv head act as G queries of that head
-            qd = q[:b].view(b, hkv, hq // hkv, d)
-            mask = self._mask("dec", window)
-            if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
-                o = decode_attention_exact(qd, kc, vc, mask, self.scale)
-            else:
-                o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), mask, self.scale,
-                         self.exact)
-            out[:b] = o.reshape(b, hq, d)
+            out[:self.num_decode] = self._decode(layer, q, hkv, window)
         for i, (t0, t1, _, slots) in enumerate(self.prefills):
             kc, vc = self.cache.read(layer, slots)
             o = sdpa(q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
@@ -246,6 +255,22 @@ class PagedAttention:
                      enable_gqa=hq != hkv)
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]
+
+    def _decode(self, layer: int, q, hkv: int, window):
+        """Decode rows' attention over their gathered contexts: q [>= B, Hq, D] ->
+        [B, Hq, D]."""
+        b, c = self.dec_shape
+        hq, d = q.shape[1], q.shape[2]
+        kc, vc = self.cache.read(layer, self.dec_idx)
+        kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
+        # the G query heads sharing one kv head act as G queries of that head
+        qd = q[:b].view(b, hkv, hq // hkv, d)
+        mask = self._mask("dec", window)
+        if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
+            o = decode_attention_exact(qd, kc, vc, mask, self.scale)
+        else:
+            o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), mask, self.scale, self.exact)
+        return o.reshape(b, hq, d)
 
     def _kernels(self, layer: int, q, out, window):
         """The paged kernels: decode tokens in one call, the GRPO samples of a prompt

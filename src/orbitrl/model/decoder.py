@@ -32,11 +32,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype != torch.float32:
-            x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
+        # F.rms_norm gives transformers' ``x * rsqrt(mean(x^2) + eps)`` (and the weight's
+        # product) to the bit on a CPU, values and gradients, in one op where that took six:
+        # a decode step calls this 2 * layers + 1 times
+        d = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, d, self.weight, self.eps)
+        y = F.rms_norm(x.float(), d, None, self.eps)
+        return self.weight * (y if x.dtype == torch.float32 else y.to(x.dtype))
 
 
 class Attention(nn.Module):
