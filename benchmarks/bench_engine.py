@@ -13,6 +13,13 @@ at the cap) and every system stops that sequence exactly there:
   sequence with its own ``max_new_tokens`` (``generate_batch`` itself takes one cap for all).
 EOS is disabled everywhere. Tokens/s counts the same useful tokens for every system.
 
+Repeats: each system runs its timed generation ``--repeat`` times (default 2) in its
+process, one after another (orbitrl on the same engine, each ``generate`` starting from an
+empty prefix cache; the continuous-batching manager made afresh for each), and the table
+takes each system's fastest run; every run's time is printed. On a shared machine a
+background burst can slow one system's single run by 10-30%, which moved the ratios by as
+much; the fastest of two runs of every system is less at its mercy.
+
 Memory: each system runs in its own fresh process; a thread samples the process RSS
 (/proc/self/statm) every 2 ms; "peak growth" is the highest RSS seen during generation
 (including the continuous-batching manager's start-up, where its cache is allocated)
@@ -48,7 +55,7 @@ Small-model row (``--small``): a 27M-parameter model with a small vocabulary (hi
 ``generate`` and the continuous-batching manager. Besides the generation time it reports
 each system's whole process (spawn, imports, model load, warm-up, generation, exit).
 
-    python benchmarks/bench_engine.py            # about 10 minutes on 2 cores
+    python benchmarks/bench_engine.py            # about 15 minutes on 2 cores
     python benchmarks/bench_engine.py --quick    # smaller, for a smoke test
     python benchmarks/bench_engine.py --small    # the small-model row only
 """
@@ -111,7 +118,8 @@ def make_workload(num_prompts: int, n: int, cap: int, seed: int = 0):
 
 
 # ---- the three systems, each run in its own process ------------------------------------
-def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, trace=False):
+def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, trace=False,
+                repeat=1):
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
 
@@ -146,9 +154,11 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
         # would across the batches of a real run; their cost is reported beside the table
         eng.generate([prompts[0]], SamplingParams(max_tokens=4))
         pack = eng.summary()["packed_seconds"]
-        t0 = time.perf_counter()
-        outs = eng.generate(reqs, stop_fn=stop)
-        dt = time.perf_counter() - t0
+        runs = []
+        for _ in range(repeat):  # each generate starts from an empty prefix cache
+            t0 = time.perf_counter()
+            outs = eng.generate(reqs, stop_fn=stop)
+            runs.append(time.perf_counter() - t0)
     toks = sum(len(s.token_ids) for o in outs for s in o.samples)
     s = eng.summary()
     raw = [s_.raw_logprobs for o in outs for s_ in o.samples]
@@ -161,13 +171,14 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
         e1 = Engine(model, kv_budget_bytes=64 << 20)
         e1.generate([prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True, seed=0))
         single = statistics.median(t for n, k, t in e1.timeline[2:])
-    return dict(tokens=toks, seconds=dt, mem=mem.growth, kv_peak=s["kv_bytes_peak"],
+    return dict(tokens=toks, seconds=min(runs), runs=runs, mem=mem.growth,
+                kv_peak=s["kv_bytes_peak"],
                 pack_s=pack, packed=s["packed_bytes"],
                 preempt=s["preemptions"], raw=raw, ids=ids, steps=steps, single=single,
                 params=model.config.num_params, cow=s["cow"], hits=s["prefix_hits"])
 
 
-def run_hf_generate(model_dir, prompts, lengths, cap):
+def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     torch.manual_seed(0)
@@ -184,37 +195,41 @@ def run_hf_generate(model_dir, prompts, lengths, cap):
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
               pad_token_id=0, num_return_sequences=n)
     model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, **kw)  # warm-up
+    runs = []
     with PeakRSS() as mem, torch.no_grad():
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=cap,
-                       stopping_criteria=StoppingCriteriaList([PerRow()]), **kw)
-        dt = time.perf_counter() - t0
-    return dict(tokens=int(target.sum()), seconds=dt, mem=mem.growth)
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=cap,
+                           stopping_criteria=StoppingCriteriaList([PerRow()]), **kw)
+            runs.append(time.perf_counter() - t0)
+    return dict(tokens=int(target.sum()), seconds=min(runs), runs=runs, mem=mem.growth)
 
 
-def run_hf_batch(model_dir, prompts, lengths, cap):
+def run_hf_batch(model_dir, prompts, lengths, cap, repeat=1):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                           max_new_tokens=cap, eos_token_id=-1, pad_token_id=0)
+    runs = []
     with PeakRSS() as mem:
-        with model.continuous_batching_context_manager(generation_config=gc, block=True,
-                                                       timeout=5) as man:
-            t0 = time.perf_counter()
-            rids = [man.add_request(p, max_new_tokens=L)
-                    for p, row in zip(prompts, lengths) for L in row]
-            done, toks = set(), 0
-            while len(done) < len(rids):
-                r = man.get_result(timeout=1)
-                if r is not None and r.is_finished():
-                    if r.error is not None:
-                        raise RuntimeError(r.error)
-                    done.add(r.request_id)
-                    toks += len(r.generated_tokens)
-            dt = time.perf_counter() - t0
-    return dict(tokens=toks, seconds=dt, mem=mem.growth)
+        for _ in range(repeat):  # a fresh manager (and cache) for every run
+            with model.continuous_batching_context_manager(generation_config=gc, block=True,
+                                                           timeout=5) as man:
+                t0 = time.perf_counter()
+                rids = [man.add_request(p, max_new_tokens=L)
+                        for p, row in zip(prompts, lengths) for L in row]
+                done, toks = set(), 0
+                while len(done) < len(rids):
+                    r = man.get_result(timeout=1)
+                    if r is not None and r.is_finished():
+                        if r.error is not None:
+                            raise RuntimeError(r.error)
+                        done.add(r.request_id)
+                        toks += len(r.generated_tokens)
+                runs.append(time.perf_counter() - t0)
+    return dict(tokens=toks, seconds=min(runs), runs=runs, mem=mem.growth)
 
 
 def gemm_floor(model_dir, prompt_lens, lengths, cap):
@@ -271,21 +286,21 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
                 batch1=cost[1])
 
 
-def _child(fn, args, q):
+def _child(fn, args, kw, q):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        q.put(fn(*args))
+        q.put(fn(*args, **kw))
     except Exception as e:  # report, do not hang the parent
         q.put(dict(error=f"{type(e).__name__}: {e}"))
 
 
-def in_process(fn, *args):
-    """Run ``fn(*args)`` in a fresh spawned process; its result gets ``process_s``, the
+def in_process(fn, *args, **kw):
+    """Run ``fn(*args, **kw)`` in a fresh spawned process; its result gets ``process_s``, the
     whole process's wall time (spawn, imports, load, warm-up, the run, exit)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     t0 = time.perf_counter()
-    p = ctx.Process(target=_child, args=(fn, args, q))
+    p = ctx.Process(target=_child, args=(fn, args, kw, q))
     p.start()
     r = q.get()
     p.join()
@@ -364,11 +379,12 @@ def run_workload(d, num_prompts, a, bw, full: bool):
         args = (d, prompts, lengths, a.cap)
         if fn is run_orbitrl:
             args += (extra.get("kv_dtype"), extra.get("group", True), extra.get("trace", False))
-        res[name] = r = in_process(fn, *args)
+        res[name] = r = in_process(fn, *args, repeat=a.repeat)
         if "error" in r:
             print(f"{name}: FAILED {r['error']}")
             continue
-        print(f"{name}: {r['tokens']} tokens in {r['seconds']:.1f}s", flush=True)
+        print(f"{name}: {r['tokens']} tokens in {r['seconds']:.2f}s (best of "
+              f"{', '.join(f'{x:.2f}' for x in r['runs'])})", flush=True)
     floor = in_process(gemm_floor, d, [len(p) for p in prompts], lengths, a.cap)
     if "error" in floor:
         raise SystemExit(f"GEMM floor: {floor['error']}")
@@ -439,6 +455,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--small", action="store_true",
                     help="only the small-model row (vocab 8000, 12 prompts x 8, a tail)")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="timed runs per system (each in its own process, one after "
+                         "another); the table takes each system's fastest run")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
                          "continuous-batching manager's thread gets it). Default 1: on 2 "
