@@ -157,9 +157,9 @@ class PackedLinears:
         got = self._checked.get(id(unit))
         if got is not None:
             return got
-        if any(m.weight.is_inference() for m in unit):  # no version counter to watch
-            return None
         keys = _keys(unit)
+        if keys is None:
+            return None
         hit = self._packed.get(id(unit))
         if hit is None or hit[0] != keys:
             t0 = time.perf_counter()
@@ -180,10 +180,22 @@ class PackedLinears:
         return got
 
 
-def _keys(unit) -> tuple:
-    # the copy holds its own bias: its version is watched here, its bits by _fingerprint
-    return tuple((id(m.weight), m.weight.data_ptr(), m.weight._version,
-                  None if m.bias is None else (id(m.bias), m.bias._version)) for m in unit)
+def _keys(unit) -> tuple | None:
+    """What identifies the unit's weights and biases now: each tensor, its storage and its
+    version (the copy holds its own bias: its version is watched here, its bits by
+    ``_fingerprint``); None if a weight is an inference tensor (no version counter to
+    watch). Taken for every unit at every step: one attribute read per tensor."""
+    keys = []
+    for m in unit:
+        got = m._parameters  # where nn.Module.__getattr__ finds them, read directly
+        if "weight" in got and "bias" in got:
+            w, b = got["weight"], got["bias"]
+        else:  # one of them replaced by a plain tensor attribute
+            w, b = m.weight, m.bias
+        if w.is_inference():
+            return None
+        keys.append((id(w), w.data_ptr(), w._version, None if b is None else (id(b), b._version)))
+    return tuple(keys)
 
 
 def _fingerprint(unit) -> torch.Tensor:
