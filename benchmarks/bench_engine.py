@@ -16,9 +16,11 @@ EOS is disabled everywhere. Tokens/s counts the same useful tokens for every sys
 Repeats: each system runs its timed generation ``--repeat`` times (default 2) in its
 process, one after another (orbitrl on the same engine, each ``generate`` starting from an
 empty prefix cache; the continuous-batching manager made afresh for each), and the table
-takes each system's fastest run; every run's time is printed. On a shared machine a
-background burst can slow one system's single run by 10-30%, which moved the ratios by as
-much; the fastest of two runs of every system is less at its mercy.
+takes each system's fastest run; every run's time is printed (orbitrl's per-step trace
+and counters are its last run's). The ``--small`` row runs once: it reports each system's
+whole process. On a shared machine a background burst can slow one system's single run by
+10-30%, which moved the ratios by as much; the fastest of two runs of every system is less
+at its mercy.
 
 Memory: each system runs in its own fresh process; a thread samples the process RSS
 (/proc/self/statm) every 2 ms; "peak growth" is the highest RSS seen during generation
@@ -156,6 +158,7 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
         pack = eng.summary()["packed_seconds"]
         runs = []
         for _ in range(repeat):  # each generate starts from an empty prefix cache
+            before = eng.summary()  # its counters add up over runs: the last run's below
             t0 = time.perf_counter()
             outs = eng.generate(reqs, stop_fn=stop)
             runs.append(time.perf_counter() - t0)
@@ -174,8 +177,9 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
     return dict(tokens=toks, seconds=min(runs), runs=runs, mem=mem.growth,
                 kv_peak=s["kv_bytes_peak"],
                 pack_s=pack, packed=s["packed_bytes"],
-                preempt=s["preemptions"], raw=raw, ids=ids, steps=steps, single=single,
-                params=model.config.num_params, cow=s["cow"], hits=s["prefix_hits"])
+                preempt=s["preemptions"] - before["preemptions"], raw=raw, ids=ids,
+                steps=steps, single=single, params=model.config.num_params,
+                cow=s["cow"] - before["cow"], hits=s["prefix_hits"] - before["prefix_hits"])
 
 
 def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1):
@@ -446,6 +450,12 @@ def run_workload(d, num_prompts, a, bw, full: bool):
               f"({ours['cow']} copy-on-write blocks)")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="32,16,4",
@@ -455,9 +465,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--small", action="store_true",
                     help="only the small-model row (vocab 8000, 12 prompts x 8, a tail)")
-    ap.add_argument("--repeat", type=int, default=2,
-                    help="timed runs per system (each in its own process, one after "
-                         "another); the table takes each system's fastest run")
+    ap.add_argument("--repeat", type=_positive, default=2,
+                    help="timed runs per system, one after another in that system's "
+                         "process; the table takes each system's fastest run (not the "
+                         "--small row, whose whole-process time counts one run)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
                          "continuous-batching manager's thread gets it). Default 1: on 2 "
