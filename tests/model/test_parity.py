@@ -119,3 +119,27 @@ def test_column_major_head_same_logits_and_gradients(hf_dirs, family):
         col.lm_head.weight.add_(gc, alpha=-0.1)
         w.add_(gr, alpha=-0.1)
         assert (col(ids) - row(ids)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_form_to_the_bit(x_dtype, w_dtype):
+    """RMSNorm on a CPU goes through F.rms_norm: the same bits as transformers' explicit
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (computed in fp32), values and
+    gradients, for every input / weight dtype a model here can have."""
+    from orbitrl.model.decoder import RMSNorm
+
+    torch.manual_seed(0)
+    m = RMSNorm(96, 1e-6).to(w_dtype)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = torch.randn(2, 5, 96).to(x_dtype).requires_grad_()
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = m.weight * (want if x_dtype == torch.float32 else want.to(x_dtype))
+    got = m(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    g = torch.randn_like(want)
+    gw = torch.autograd.grad(want, (x, m.weight), g)
+    gg = torch.autograd.grad(got, (x, m.weight), g)
+    assert all(torch.equal(a, b) for a, b in zip(gg, gw))

@@ -32,14 +32,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm gives transformers' ``x * rsqrt(mean(x^2) + eps)`` (and the weight's
-        # product) to the bit on a CPU, values and gradients, in one op where that took six:
-        # a decode step calls this 2 * layers + 1 times
-        d = (x.shape[-1],)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, d, self.weight, self.eps)
-        y = F.rms_norm(x.float(), d, None, self.eps)
-        return self.weight * (y if x.dtype == torch.float32 else y.to(x.dtype))
+        dtype = x.dtype
+        if x.is_cpu:
+            # on a CPU, F.rms_norm runs transformers' ``x * rsqrt(mean(x^2) + eps)`` (and
+            # the weight's product) as one call from Python instead of six: the same bits,
+            # values and gradients (a decode step calls this 2 * layers + 1 times); a CUDA
+            # build may run a fused kernel that sums in another order
+            d = (x.shape[-1],)
+            if dtype == torch.float32 and self.weight.dtype == torch.float32:
+                return F.rms_norm(x, d, self.weight, self.eps)
+            x = F.rms_norm(x.float(), d, None, self.eps)
+        else:
+            if dtype != torch.float32:
+                x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
 class Attention(nn.Module):
