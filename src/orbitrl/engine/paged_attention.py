@@ -98,14 +98,14 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """k, v: [N, Hkv, D] for the N slots ``slots``."""
+        kl, vl = self.layer(layer)
         if self.fp8:
             (kq, ks), (vq, vs) = self.quantize(k), self.quantize(v)
-            self.k[layer].index_copy_(0, slots, kq)
-            self.v[layer].index_copy_(0, slots, vq)
+            kl.index_copy_(0, slots, kq)
+            vl.index_copy_(0, slots, vq)
             self.k_scale[layer].index_copy_(0, slots, ks)
             self.v_scale[layer].index_copy_(0, slots, vs)
         else:
-            kl, vl = self.layer(layer)
             kl.index_copy_(0, slots, k if k.dtype == self.dtype else k.to(self.dtype))
             vl.index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
 
