@@ -93,7 +93,7 @@ def test_governor_shrink_and_watchdog_cover_parked(hf_dirs):
     high = max(b for s in seqs for b in s.block_table)
     eng.resize_pool(high)  # the holder of the last block goes to the host
     assert any(s.swap is not None for s in seqs)
-    dropped = eng.scheduler.abort_all()
+    dropped = eng.abort()
     assert set(map(id, seqs)) <= set(map(id, dropped))
     assert eng.pool.num_free == eng.pool.num_blocks
 

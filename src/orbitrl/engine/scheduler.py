@@ -81,11 +81,6 @@ class Scheduler:
         seq.swap = None
         seq.status = Status.FINISHED
 
-    def abort_all(self) -> list[Sequence]:
-        """Drop every unfinished sequence, parked ones included, and release its KV (the
-        watchdog's exit)."""
-        return self.abort(lambda seq: True)
-
     def abort(self, which) -> list[Sequence]:
         """Drop the unfinished sequences ``which(seq)`` selects, parked ones included, and
         release their KV (a rollout rank's watchdog drops one order's samples, the others
