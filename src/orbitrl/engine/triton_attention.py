@@ -25,6 +25,13 @@ try:
 except ImportError:  # Triton before 3.4 reads the variable directly
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
+# a CUDA architecture (e.g. 90) while ``triton_aot`` compiles these kernels for it on a host
+# without a GPU: the launches then take the GPU's tile sizes on CPU tensors
+COMPILE_FOR: int | None = None
+
+
+def _gpu(q) -> bool:
+    return q.is_cuda or COMPILE_FOR is not None
 
 
 @triton.jit
@@ -246,7 +253,7 @@ def _kv(k_cache, v_cache, k_scale, v_scale):
 
 
 def _check_device(q):
-    if q.device.type == "cpu" and not INTERPRETED:
+    if q.device.type == "cpu" and not INTERPRETED and COMPILE_FOR is None:
         raise RuntimeError("the Triton backend on CPU tensors runs in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before orbitrl.engine.triton_attention is imported")
 
@@ -263,9 +270,19 @@ def _block_n(q) -> int:
     # 64 keys per tile on a GPU (32 for fp32 heads wider than 64: K and V tiles of
     # 64 x 128 fp32, pipelined, would crowd an SM's shared memory); 16 under the
     # interpreter, so small tests cross many tiles
-    if not q.is_cuda:
+    if not _gpu(q):
         return 16
     return 32 if q.dtype == torch.float32 and q.shape[-1] > 64 else 64
+
+
+def _launch_opts(q) -> dict:
+    # fp32 on 8 warps: on 4, the fp32 tiles (operands of FMA dots, not tensor cores) outgrow
+    # 255 registers per thread; compiled for sm_90 (triton_aot), 128-wide fp32 heads spilled
+    # 344-6888 bytes of stack per thread on 4 warps, 0-368 on 8 (bar fp8 KV's prefill).
+    # Fewer pipeline stages did not remove the rest.
+    if _gpu(q) and q.dtype == torch.float32:
+        return dict(num_warps=8)
+    return {}
 
 
 def auto_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
@@ -295,7 +312,8 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale
     if num_splits is None:
         num_splits = auto_splits(B, HKV, bt.shape[1] * block_size, q.device)
     common = dict(HQ=HQ, HKV=HKV, D=D, BLOCK_SIZE=block_size, BLOCK_N=_block_n(q),
-                  BLOCK_D=_pow2(D), FP8=fp8, DOT=_dot_dtype(q), HAS_WINDOW=window is not None)
+                  BLOCK_D=_pow2(D), FP8=fp8, DOT=_dot_dtype(q), HAS_WINDOW=window is not None,
+                  **_launch_opts(q))
     qk_scale, win, nb = scale * LOG2E, int(window or 0), bt.shape[1]
     blk_h = max(16, _pow2(HQ // HKV))
     if groups is None and num_splits == 1:
@@ -344,11 +362,11 @@ def prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale, windo
         return out
     K, V, KS, VS, fp8 = _kv(k_cache, v_cache, k_scale, v_scale)
     g_pad = _pow2(HQ // HKV)
-    rows = 64 if q.is_cuda else 16
+    rows = 64 if _gpu(q) else 16
     block_m = max(1, rows // g_pad)
     _prefill_kernel[(triton.cdiv(T, block_m), HKV)](
         q.contiguous(), K, V, KS, VS, block_table.contiguous(), out, scale * LOG2E,
         int(window or 0), int(start), T, HQ=HQ, HKV=HKV, D=D, BLOCK_SIZE=block_size,
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=_block_n(q), BLOCK_D=_pow2(D), FP8=fp8,
-        DOT=_dot_dtype(q), HAS_WINDOW=window is not None)
+        DOT=_dot_dtype(q), HAS_WINDOW=window is not None, **_launch_opts(q))
     return out
