@@ -162,7 +162,10 @@ def test_adapter_views_replay_the_same_graphs_on_cuda(hf_dirs):
 def test_async_decode_equals_sync_on_cuda(hf_dirs):
     """The default on CUDA launches step k+1 before reading step k (graphs replayed, values
     through pinned buffers): the same samples as reading each step first, with stop_fn,
-    stop ids and forks."""
+    stop ids and forks. Logprobs within 1e-5, not to the bit: a row that finished in the
+    step in flight still runs the next one, so that step's batch can fall in a larger
+    bucket (other GEMM shapes) and a group of GRPO samples still counts it as a member (its
+    shared prompt read by the group kernel, then merged), each of which rounds apart."""
     model = orbitrl.load_model(hf_dirs["qwen2"][0], device="cuda")
     prompts = random_prompts([5, 30, 9, 21])
     lengths = {0: [3, 9, 30], 1: [6, 1, 12], 2: [2, 2, 20], 3: [5, 11, 8]}
@@ -179,6 +182,8 @@ def test_async_decode_equals_sync_on_cuda(hf_dirs):
         assert eng.async_decode == (async_decode is None)
         outs = eng.generate(prompts, params, stop_fn=stop)
         assert eng.decode_runner._graphs and eng.pool.num_free == eng.pool.num_blocks
-        runs.append([[(s.token_ids, s.logprobs, s.finish_reason) for s in o.samples]
-                     for o in outs])
-    assert runs[0] == runs[1]
+        runs.append([(s.token_ids, s.logprobs, s.finish_reason) for o in outs
+                     for s in o.samples])
+    for (ids, lps, why), (ids1, lps1, why1) in zip(*runs):
+        assert (ids, why) == (ids1, why1)
+        assert max((abs(a - b) for a, b in zip(lps, lps1)), default=0.0) <= 1e-5

@@ -26,6 +26,21 @@ def test_inverse_cdf_matches_float64_cumsum(v):
         assert ((got == want) | near).all(), (got, want)
 
 
+@pytest.mark.parametrize("v", [97, 256, 1000])
+def test_nan_logits_still_give_a_token_in_the_vocabulary(v):
+    # a diverged policy's NaN row: the inverse CDF searches past the end; the id must stay
+    # below V (an id >= V fails the next step's embedding, on CUDA a device-side assert)
+    logits = torch.randn(3, v)
+    logits[1] = float("nan")
+    logits[2, 5] = float("nan")
+    w = (logits - logits.amax(-1, keepdim=True)).exp()
+    got = _invert_cdf(w, torch.rand(3) * w.sum(-1))
+    assert ((got >= 0) & (got < v)).all(), got
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.7, 1.0])]
+    tok = sample(logits, params, [1, 2, 3], [0, 0, 0])[0]
+    assert ((tok >= 0) & (tok < v)).all(), tok
+
+
 def test_samples_follow_softmax_and_report_logprobs():
     torch.manual_seed(0)
     logits = torch.randn(1, 300) * 2

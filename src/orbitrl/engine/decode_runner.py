@@ -318,9 +318,15 @@ class DecodeRunner:
     def _replay(self, b: int, filtered: bool, grouped: bool) -> None:
         key = (b, filtered, grouped, self.cache.k.data_ptr())
         g = self._graphs.get(key)
-        if g is not None:
-            g.replay()
-            return
+        # replay, streams and capture on the state's device, not whichever is current (an
+        # engine on cuda:1 in a process that never called set_device)
+        with torch.cuda.device(self.state.device):
+            if g is not None:
+                g.replay()
+            else:
+                self._capture(key, b, filtered)
+
+    def _capture(self, key, b: int, filtered: bool) -> None:
         mb = self.state.max_blocks
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

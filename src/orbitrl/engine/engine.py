@@ -87,9 +87,11 @@ class Engine:
             step k's values, so that the host's per-token work (appending tokens, stop
             strings, ``stop_fn``, retiring finished rows, block bookkeeping) runs while the
             device computes; a finished row runs one extra step whose token is discarded.
-            The samples are the same as without it (tested); a sequence preempted for
-            recomputation may be re-admitted a step later, and its logprobs round apart
-            (about 1e-7). Off while a module of the model has forward hooks (they would
+            The samples are the same as without it (tested); logprobs round apart where
+            the extra step changes a step's batch (a larger bucket's GEMM shapes on CUDA,
+            a GRPO group that still counts the finished row for the Triton kernel's
+            shared prompt read) or a sequence preempted for recomputation is re-admitted a
+            step later (about 1e-7 in fp32). Off while a module of the model has forward hooks (they would
             see the extra steps). Default: on CUDA (where the step is queued and the host
             is free meanwhile); on a CPU the step runs on the host itself, so it only
             reorders the same work.

@@ -97,7 +97,9 @@ def _invert_cdf(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # rounding may leave the block's own sum a hair under cdf[blk] - cdf[blk - 1]
     rest = torch.minimum((target - before).clamp_min(1e-30), inner[:, -1])
     off = torch.searchsorted(inner, rest[:, None])[:, 0].clamp_max(BLOCK - 1)
-    return blk * BLOCK + off
+    # NaN weights (a diverged policy) search past the end: keep the id in the vocabulary
+    # (an id >= V would fail the next step's embedding, on CUDA as a device-side assert)
+    return (blk * BLOCK + off).clamp_max(v - 1)
 
 
 def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tensor,
