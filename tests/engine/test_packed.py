@@ -194,6 +194,37 @@ def test_engine_with_and_without_packing(hf_dirs):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_short_steps_padded_to_min_rows_give_the_unpadded_bits(hf_dirs, monkeypatch):
+    """While packed, a step of fewer than MIN_ROWS tokens runs its GEMMs and its head on
+    MIN_ROWS rows (the faster shape) and a step of 5-11 on its own rows: the samples'
+    bits are those of running every step on its own rows."""
+    model = _frozen_model(hf_dirs)
+    prompts = random_prompts([3, 17, 9])
+    lengths = {0: [2, 9, 1], 1: [5, 12, 3], 2: [7, 4, 11]}  # the batch shrinks 9 -> 1
+    stop = lambda i, j, c: len(c) >= lengths[i][j]  # noqa: E731
+    params = SamplingParams(n=3, max_tokens=12, seed=5, ignore_eos=True)
+    rows = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counted(x, *a):
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *a)
+
+    runs = []
+    for min_rows in (PackedLinears.MIN_ROWS, 1):
+        monkeypatch.setattr(PackedLinears, "MIN_ROWS", min_rows)
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+        rows.clear()
+        eng = Engine(model, kv_budget_bytes=1 << 20)
+        outs = eng.generate(prompts, params, stop_fn=stop)
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", real)
+        runs.append([(s.token_ids, s.logprobs, s.raw_logprobs) for o in outs
+                     for s in o.samples])
+        assert (min(rows) >= 4) == (min_rows == 4), sorted(set(rows))
+        assert any(5 <= r < 8 for r in rows)  # not padded to a multiple of 4
+    assert runs[0] == runs[1]
+
+
 def test_fused_group_with_mixed_biases_and_a_missing_member():
     torch.manual_seed(0)
     attn = nn.Module()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from orbitrl.engine.decode_runner import resolve_backend
+from orbitrl.engine.packed import PackedLinears
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
 from orbitrl.model.decoder import inference_safe
@@ -98,12 +99,15 @@ class ModelRunner:
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR
+        packed = bool(self.packed)
         if small and getattr(self.model.config, "moe", None) is None:
             # a dense model runs a short step on row_count(N) token rows instead: every GEMM
             # then has the rows RowPadded would give it, without RowPadded's Python call per
             # op; the padding rows (token 0 at position 0) are ignored by the attention
-            # backend and dropped at the head
-            extra = row_count(len(ids)) - len(ids)
+            # backend and dropped at the head. Packed GEMMs round every row the same at
+            # any row count: they only need the rows that make them fastest (packed.py)
+            rows_to = max(len(ids), PackedLinears.MIN_ROWS) if packed else row_count(len(ids))
+            extra = rows_to - len(ids)
             ids, pos, small = ids + [0] * extra, pos + [0] * extra, False
         ids_t = torch.tensor([ids], dtype=torch.long, device=dev)
         pos_t = torch.tensor([pos], dtype=torch.long, device=dev)
@@ -114,6 +118,11 @@ class ModelRunner:
             record_routing(items, routing)
         if not rows:
             return None, done
+        k = len(rows)
+        if packed and k < PackedLinears.MIN_ROWS:  # the head's rows likewise (repeats)
+            rows = rows + rows[-1:] * (PackedLinears.MIN_ROWS - k)
         last = hidden.index_select(0, torch.tensor(rows, device=dev))
-        with RowPadded() if dev.type == "cpu" and len(rows) < ROW_FLOOR else nullcontext():
+        if packed:
+            return self.model.lm_head(last)[:k].float(), done
+        with RowPadded() if dev.type == "cpu" and k < ROW_FLOOR else nullcontext():
             return self.model.lm_head(last).float(), done

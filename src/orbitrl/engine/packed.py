@@ -92,6 +92,12 @@ class PackedLinears:
     # the benchmark model's GEMMs at 3-4 rows gave 10.2 and 9.6 ms with 64 against 11.4 and
     # 10.4 ms with 16, and the same from 8 to 128 rows
     ROWS_HINT = 64
+    # the fewest rows a step's GEMMs run with while packed (the engine pads the token rows
+    # and the head's rows up to it): the benchmark model's 33 packed GEMMs, fastest of 11
+    # interleaved passes on one core, took 6.5-8.2 ms at 1-3 rows, 5.8-6.0 ms at 4-6 and
+    # 7.0-7.6 ms at 7-8 (the head alone: 3.8-5.0, 3.3-3.4 and 4.3-4.6 ms). The rows' bits
+    # do not depend on the row count here, so above it the rows run as they are.
+    MIN_ROWS = 4
 
     def __init__(self, model: nn.Module, budget_bytes: int):
         self.model = model
