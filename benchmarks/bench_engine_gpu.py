@@ -30,6 +30,10 @@ here (2 x bytes / time of a 1 GiB device-to-device copy). Peak memory:
 
     python benchmarks/bench_engine_gpu.py           # the three rows (several minutes)
     python benchmarks/bench_engine_gpu.py --quick   # 8 prompts, caps 32: a smoke run
+
+``--device cpu --tiny --quick`` runs the same code on a CPU with a tiny model (fp32; the
+engine's static decode runner forced on, eager; wall clock in place of CUDA events, no
+peak memory): the test suite's smoke run of this script, whose timings mean nothing.
 """
 
 from __future__ import annotations
@@ -44,9 +48,51 @@ import time
 
 import torch
 
+DEV = "cuda"  # --device
 MODEL = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
              num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
              tie_word_embeddings=True)
+
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            tie_word_embeddings=True)
+
+
+def _cuda() -> bool:
+    return DEV == "cuda"
+
+
+def _sync():
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def _peak():
+    return torch.cuda.max_memory_allocated() if _cuda() else None
+
+
+def _reset_peak():
+    if _cuda():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _dtype():
+    return torch.bfloat16 if _cuda() else torch.float32
+
+
+class _Mark:
+    """A CUDA event's interface (``record``, ``elapsed_time`` in ms) on the host clock."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _event():
+    return torch.cuda.Event(enable_timing=True) if _cuda() else _Mark()
 
 
 def workload(num_prompts: int, n: int, cap: int, tail: bool, seed: int = 0):
@@ -64,18 +110,19 @@ def workload(num_prompts: int, n: int, cap: int, tail: bool, seed: int = 0):
 
 
 def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    size = 1 << (30 if _cuda() else 26)
+    x = torch.empty(size, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     y.copy_(x)
-    torch.cuda.synchronize()
+    _sync()
     best = float("inf")
     for _ in range(5):
         t = time.perf_counter()
         y.copy_(x)
-        torch.cuda.synchronize()
+        _sync()
         best = min(best, time.perf_counter() - t)
     del x, y
-    return 2 * (1 << 30) / best
+    return 2 * size / best
 
 
 class StepTimer:
@@ -96,7 +143,7 @@ class StepTimer:
         self.events, self.waits = {}, {}
 
     def launch(self):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = _event(), _event()
         a.record()
         handle = self._launch()
         b.record()
@@ -112,7 +159,7 @@ class StepTimer:
 
     def per_step(self, batch: int):
         """(wall, device, host) ms of the runner's steps at ``batch`` rows."""
-        torch.cuda.synchronize()
+        _sync()
         rows = []
         for i, (a, b) in self.events.items():
             n, _, t = self.eng.timeline[i]
@@ -126,14 +173,15 @@ def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
 
-    model = orbitrl.load_model(path, dtype="bf16", device="cuda")
+    model = orbitrl.load_model(path, dtype="bf16" if _cuda() else "float32", device=DEV)
     n = len(lengths[0])
     reqs = [Request(prompt_ids=p, params=SamplingParams(n=n, max_tokens=cap, seed=i,
                                                         ignore_eos=True))
             for i, p in enumerate(prompts)]
     stop = lambda i, j, c: len(c) >= lengths[i][j]  # noqa: E731
+    budget = torch.cuda.mem_get_info()[0] // 3 if _cuda() else 256 << 20
     kw = dict(max_num_seqs=len(prompts) * n, max_num_batched_tokens=16384,
-              kv_budget_bytes=torch.cuda.mem_get_info()[0] // 3, async_decode=async_decode)
+              kv_budget_bytes=budget, async_decode=async_decode, static_decode=True)
     eng = Engine(model, **kw)
     timer = StepTimer(eng)
     # the first run compiles the kernels and captures a graph per batch bucket (they belong
@@ -141,7 +189,7 @@ def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
     t0 = time.perf_counter()
     eng.generate(reqs, stop_fn=stop)
     first = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     timer.clear()
     t0 = time.perf_counter()
     outs = eng.generate(reqs, stop_fn=stop)
@@ -149,8 +197,7 @@ def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
     toks = sum(len(s.token_ids) for o in outs for s in o.samples)
     widest = max(eng.timeline[i][0] for i in timer.events)
     wall, dev, host = zip(*timer.per_step(widest))
-    return dict(tokens=toks, seconds=dt, first=first, peak=torch.cuda.max_memory_allocated(),
-                batch=widest, step_ms=statistics.median(wall),
+    return dict(tokens=toks, seconds=dt, first=first, peak=_peak(), batch=widest, step_ms=statistics.median(wall),
                 device_ms=statistics.median(dev), host_ms=statistics.median(host),
                 steps=len(timer.events), params=model.config.num_params)
 
@@ -158,12 +205,12 @@ def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
 def run_hf_generate(path, prompts, lengths, cap):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype()).to(DEV).eval()
     n, width = len(lengths[0]), max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
-    mask = (torch.arange(width, device="cuda")[None]
-            >= torch.tensor([width - len(p) for p in prompts], device="cuda")[:, None]).long()
-    target = torch.tensor([x for row in lengths for x in row], device="cuda")
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEV)
+    mask = (torch.arange(width, device=DEV)[None]
+            >= torch.tensor([width - len(p) for p in prompts], device=DEV)[:, None]).long()
+    target = torch.tensor([x for row in lengths for x in row], device=DEV)
 
     class PerRow(StoppingCriteria):
         def __call__(self, input_ids, scores, **kw):
@@ -175,14 +222,13 @@ def run_hf_generate(path, prompts, lengths, cap):
     times = []
     with torch.no_grad():
         for _ in range(2):  # first run, then the repeat run that is reported
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
+            _reset_peak()
+            _sync()
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=mask, **kw)
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - t0)
-    return dict(tokens=int(target.sum()), seconds=times[1], first=times[0],
-                peak=torch.cuda.max_memory_allocated())
+    return dict(tokens=int(target.sum()), seconds=times[1], first=times[0], peak=_peak())
 
 
 CB_DEADLINE_S = 300  # a continuous-batching run that has not finished by then failed
@@ -192,10 +238,10 @@ CB_DEADLINE_S = 300  # a continuous-batching run that has not finished by then f
 def run_hf_batch(path, prompts, lengths, cap):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype()).to(DEV).eval()
     gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            max_new_tokens=cap, eos_token_id=-1, pad_token_id=0)
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     with model.continuous_batching_context_manager(generation_config=gen, block=True,
                                                    timeout=5) as man:
         t0 = time.perf_counter()
@@ -218,18 +264,19 @@ def run_hf_batch(path, prompts, lengths, cap):
                 done.add(r.request_id)
                 toks += len(r.generated_tokens)
         dt = time.perf_counter() - t0
-    return dict(tokens=toks, seconds=dt, peak=torch.cuda.max_memory_allocated())
+    return dict(tokens=toks, seconds=dt, peak=_peak())
 
 
 def step_floor_ms(res, prompts, lengths, bw) -> float:
     """Milliseconds a decode step at the widest batch must spend reading: every weight
-    once (bf16) plus each running row's KV (prompt + about half its completion)."""
+    once (bf16; fp32 on a CPU) plus each running row's KV (prompt + about half its completion)."""
     c = MODEL
     hd = c["hidden_size"] // c["num_attention_heads"]
-    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * hd * 2
+    size = _dtype().itemsize
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * hd * size
     ctx = statistics.mean(len(prompts[i]) + L / 2 for i, row in enumerate(lengths)
                           for L in row)
-    return (res["params"] * 2 + res["batch"] * ctx * per_token) / bw * 1e3
+    return (res["params"] * size + res["batch"] * ctx * per_token) / bw * 1e3
 
 
 def run_row(name, path, prompts, lengths, cap, bw):
@@ -248,7 +295,8 @@ def run_row(name, path, prompts, lengths, cap, bw):
         # (the engine and its step timer refer to each other: collect them, so the next
         # system's KV budget and peak memory do not count this one's cache)
         gc.collect()
-        torch.cuda.empty_cache()
+        if _cuda():
+            torch.cuda.empty_cache()
     ours = res["orbitrl"]
     print("| system | tokens/s | orbitrl / it | peak memory (GiB) |")
     print("|---|---|---|---|")
@@ -258,7 +306,8 @@ def run_row(name, path, prompts, lengths, cap, bw):
             continue
         tps = r["tokens"] / r["seconds"]
         ratio = (ours["tokens"] / ours["seconds"]) / tps if "error" not in ours else float("nan")
-        print(f"| {label} | {tps:,.0f} | {ratio:.2f}x | {r['peak'] / 2**30:.2f} |")
+        peak = "-" if r["peak"] is None else f"{r['peak'] / 2**30:.2f}"
+        print(f"| {label} | {tps:,.0f} | {ratio:.2f}x | {peak} |")
         if "first" in r:
             print(f"|   (its first run) | {r['tokens'] / r['first']:,.0f} | | |")
     if "error" in ours:
@@ -280,26 +329,36 @@ def main():
     ap.add_argument("--quick", action="store_true", help="8 prompts, caps 32: a smoke run")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a smoke run of this script's code (with --tiny), not a "
+                         "measurement")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer model with a 512-token vocabulary instead of "
+                         "Qwen2-0.5B's shape")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
+    global CB_DEADLINE_S, DEV, MODEL
+    DEV = a.device
+    if a.tiny:
+        MODEL = TINY
+    if _cuda() and not torch.cuda.is_available():
         print("bench_engine_gpu: no CUDA device here; this benchmark needs one (nothing run)")
         return 0
-    global CB_DEADLINE_S
     if a.quick:
         CB_DEADLINE_S = 25
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="bench_engine_gpu_")
-    with torch.device("cuda"):
+    with torch.device(DEV):
         hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **MODEL),
-                                              dtype=torch.bfloat16)
+                                              dtype=_dtype())
     hf.save_pretrained(path)
     del hf
-    torch.cuda.empty_cache()
+    if _cuda():
+        torch.cuda.empty_cache()
     bw = copy_bandwidth()
-    print(f"device {torch.cuda.get_device_name(0)}; torch {torch.__version__}; copy "
-          f"bandwidth {bw / 1e12:.2f} TB/s")
+    name = torch.cuda.get_device_name(0) if _cuda() else "CPU (a smoke run: no measurement)"
+    print(f"device {name}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s")
     p = 8 if a.quick else a.prompts
     rows = [("every sample 32 tokens", 32, False), ("long-tailed caps", 32, True)] if a.quick \
         else [("every sample 128 tokens", 128, False), ("every sample 512 tokens", 512, False),
