@@ -212,6 +212,19 @@ def test_graphs_off_while_hooked_and_kept_across_adapter_views(hf_dirs):
     r._graphs[1] = "captured"
     r.begin((False,), None)
     assert r._graphs == {}  # the view went, a switch changed
+    # the engine's signature leaves the switches out under a view (a view is always on):
+    # the training thread turning adapters off (rollout.overlap) keeps the rollout's graphs
+    from orbitrl.engine.engine import _adapter_signature
+    from orbitrl.model.lora import adapter_view, adapters_disabled
+
+    with adapter_view(view2):
+        sig = _adapter_signature(model)
+        with adapters_disabled(model):
+            assert _adapter_signature(model) == sig
+    on = _adapter_signature(model)
+    assert on != sig
+    with adapters_disabled(model):  # without a view the switches count
+        assert _adapter_signature(model) != on
 
 
 def test_static_runner_samples_the_adapter_view(hf_dirs):

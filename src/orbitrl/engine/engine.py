@@ -678,8 +678,13 @@ def _nbytes(saved: tuple) -> int:
 
 def _adapter_signature(model) -> tuple:
     """What a captured decode graph bakes in besides tensor addresses: each LoRA module's
-    switch, and the thread's adapter view (``lora.adapter_view``)."""
+    switch, and the thread's adapter view (``lora.adapter_view``). Under a view the
+    switches are not read (a view is always on), so they are left out: the training
+    thread toggling them (``adapters_disabled`` for the reference pass, rollout.overlap)
+    must not drop the rollout thread's graphs."""
     from orbitrl.model.lora import _VIEW, lora_modules
 
     view = getattr(_VIEW, "tensors", None)
+    if view is not None:
+        return None, view
     return tuple(m.enabled for m in lora_modules(model).values()), view
