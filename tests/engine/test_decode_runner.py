@@ -172,6 +172,32 @@ def test_cpu_runner_attends_with_the_reference():
     assert isinstance(default_attend(torch.device("cpu")), ReferencePagedDecode)
 
 
+def test_eager_steps_take_the_split_count_a_graph_would(hf_dirs, monkeypatch):
+    """The kernel's key splits come from the buffers' full width (what a captured graph
+    sees), also in an eager step that gathers only up to its longest row, so graphs and
+    eager round alike; the reference takes no split count."""
+    from orbitrl.engine import decode_runner
+    from orbitrl.engine.attention_kernels import paged_decode_torch
+
+    monkeypatch.setattr(decode_runner, "auto_splits", lambda b, h, ctx, dev: ctx)  # echoes
+    seen = []
+
+    def attend(q, k, v, bt, ctx, *, num_splits=None, prefix_groups=None, **kw):
+        seen.append((bt.shape[1], num_splits))
+        return paged_decode_torch(q, k, v, bt, ctx, **kw)
+
+    model = orbitrl.load_model(hf_dirs["qwen2"][0])
+    params = SamplingParams(n=2, max_tokens=6, **GREEDY)
+    eng = Engine(model, static_decode=True, kv_budget_bytes=1 << 22, block_size=4)
+    want = eng.generate(random_prompts([5, 9]), params)
+    eng.decode_runner.attend = attend
+    got = eng.generate(random_prompts([5, 9]), params)
+    width = eng.decode_runner.state.max_blocks
+    assert seen and all(s == width * 4 for _, s in seen)
+    assert max(nb for nb, _ in seen) < width  # eager steps gathered fewer blocks
+    assert _tokens(got) == _tokens(want)
+
+
 def test_graphs_off_while_hooked_and_kept_across_adapter_views(hf_dirs):
     """A replay runs no module hooks, so the runner captures nothing while the model has any
     (tiers, sharding, a logits probe). An adapter view is copied into the runner's own

@@ -97,6 +97,18 @@ def shared_prefix_groups(block_tables: torch.Tensor, context_lens: torch.Tensor,
     return PrefixGroups(offsets.to(torch.int32), shared.to(torch.int32), max_group)
 
 
+def auto_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
+    """Key splits per (row, kv head) so that a small batch still fills the GPU: 1 when the
+    batch alone gives every SM a program, else up to 16 splits of at least 512 keys."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * num_kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), -(-max_context // 512), 16))
+
+
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

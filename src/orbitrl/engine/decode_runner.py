@@ -35,6 +35,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from orbitrl.engine.attention_kernels import auto_splits
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.paged_attention import KVCache, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
@@ -97,12 +98,14 @@ class ReferencePagedDecode:
 
 
 def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, context_lens,
-                     window, scale, prefix_groups=None):
+                     window, scale, prefix_groups=None, num_splits=None):
     """The one call site of paged decode attention: ``attend`` has the signature of
-    ``orbitrl.engine.attention_kernels.paged_decode`` (``prefix_groups`` is passed only
-    when given: the reference takes none)."""
+    ``orbitrl.engine.attention_kernels.paged_decode`` (``prefix_groups`` and
+    ``num_splits`` are passed only when given: the reference takes neither)."""
     ks, vs = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
     kw = {} if prefix_groups is None else {"prefix_groups": prefix_groups}
+    if num_splits is not None:
+        kw["num_splits"] = num_splits
     return attend(q, cache.k[layer], cache.v[layer], block_tables, context_lens,
                   block_size=cache.block_size, scale=scale, window=window, k_scale=ks,
                   v_scale=vs, **kw)
@@ -155,6 +158,11 @@ class _StepAttention:
             from orbitrl.engine.attention_kernels import shared_prefix_groups
 
             self.groups = shared_prefix_groups(self.bt, self.ctx, runner.cache.block_size)
+        # the kernel's key splits as a graph's step has them (from the buffers' full
+        # width, not this step's longest row), for eager steps too: the two round alike
+        self.splits = None if isinstance(runner.attend, ReferencePagedDecode) else \
+            auto_splits(b, runner.model.config.num_kv_heads,
+                        st.max_blocks * runner.cache.block_size, st.device)
         self.valid = (self.ctx > 0)[:, None, None]
         pos, bs = st.positions[:b], runner.cache.block_size
         slots = st.block_tables[:b].gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
@@ -167,7 +175,7 @@ class _StepAttention:
         self.cache.write(layer, self.slots, k, v)
         r = self.runner
         o = decode_attention(r.attend, q[:, 0], self.cache, layer, self.bt, self.ctx,
-                             r.windows[layer], r.scale, self.groups)
+                             r.windows[layer], r.scale, self.groups, self.splits)
         return o[:, None]
 
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from orbitrl.engine.attention_kernels import auto_splits
+
 try:
     from triton import knobs
 
@@ -283,18 +285,6 @@ def _launch_opts(q) -> dict:
     if _gpu(q) and q.dtype == torch.float32:
         return dict(num_warps=8)
     return {}
-
-
-def auto_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
-    """Key splits per (row, kv head) so that a small batch still fills the GPU: 1 when the
-    batch alone gives every SM a program, else up to 16 splits of at least 512 keys."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = batch * num_kv_heads
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, 512), 16))
 
 
 def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale, window,
