@@ -142,6 +142,19 @@ def test_lora_on_nf4_static_equals_general_path(hf_dirs):
     set_adapters_enabled(model, False)  # the reference policy through the same runner
     b = fast.generate(prompts, params)
     assert _tokens(b) == _tokens(slow.generate(prompts, params)) != _tokens(a)
+    # a graph reads the kept dequantized copies by address: one remade elsewhere changes
+    # the signature that drops the graphs
+    from orbitrl.engine.engine import _adapter_signature
+    from orbitrl.model.quant import FrozenLinear, cache_dequantized
+
+    assert cache_dequantized(model, 1 << 30) > 0
+    fast.generate(prompts, params)
+    sig = _adapter_signature(model)
+    assert sig == _adapter_signature(model) and len(sig[0][1]) > 0
+    m = next(m for m in model.modules() if isinstance(m, FrozenLinear))
+    old, m._cached = m._cached, None  # (old kept alive: the new copy lands elsewhere)
+    m(torch.randn(2, m.in_features))
+    assert _adapter_signature(model) != sig and old is not None
 
 
 def test_reference_paged_decode_against_dense_attention():

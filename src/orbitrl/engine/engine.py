@@ -677,14 +677,19 @@ def _nbytes(saved: tuple) -> int:
 
 
 def _adapter_signature(model) -> tuple:
-    """What a captured decode graph bakes in besides tensor addresses: each LoRA module's
-    switch, and the thread's adapter view (``lora.adapter_view``). Under a view the
-    switches are not read (a view is always on), so they are left out: the training
-    thread toggling them (``adapters_disabled`` for the reference pass, rollout.overlap)
-    must not drop the rollout thread's graphs."""
+    """What a captured decode graph bakes in besides the addresses the runner checks: each
+    LoRA module's switch, the addresses of the frozen projections' kept dequantized
+    copies (``quant.cache_dequantized``: a copy remade elsewhere would leave a graph
+    reading freed memory), and the thread's adapter view (``lora.adapter_view``). Under a
+    view the switches are not read (a view is always on), so they are left out: the
+    training thread toggling them (``adapters_disabled`` for the reference pass,
+    rollout.overlap) must not drop the rollout thread's graphs."""
     from orbitrl.model.lora import _VIEW, lora_modules
+    from orbitrl.model.quant import FrozenLinear
 
     view = getattr(_VIEW, "tensors", None)
+    kept = tuple(m._cached[1].data_ptr() for m in model.modules()
+                 if isinstance(m, FrozenLinear) and m._cached is not None)
     if view is not None:
-        return None, view
-    return tuple(m.enabled for m in lora_modules(model).values()), view
+        return (None, kept), view
+    return (tuple(m.enabled for m in lora_modules(model).values()), kept), view
