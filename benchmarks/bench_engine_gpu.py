@@ -197,8 +197,9 @@ def run_orbitrl(path, prompts, lengths, cap, async_decode=True):
     toks = sum(len(s.token_ids) for o in outs for s in o.samples)
     widest = max(eng.timeline[i][0] for i in timer.events)
     wall, dev, host = zip(*timer.per_step(widest))
-    return dict(tokens=toks, seconds=dt, first=first, peak=_peak(), batch=widest, step_ms=statistics.median(wall),
-                device_ms=statistics.median(dev), host_ms=statistics.median(host),
+    return dict(tokens=toks, seconds=dt, first=first, peak=_peak(), batch=widest,
+                step_ms=statistics.median(wall), device_ms=statistics.median(dev),
+                host_ms=statistics.median(host),
                 steps=len(timer.events), params=model.config.num_params)
 
 

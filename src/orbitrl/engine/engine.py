@@ -91,10 +91,10 @@ class Engine:
             the extra step changes a step's batch (a larger bucket's GEMM shapes on CUDA,
             a GRPO group that still counts the finished row for the Triton kernel's
             shared prompt read) or a sequence preempted for recomputation is re-admitted a
-            step later (about 1e-7 in fp32). Off while a module of the model has forward hooks (they would
-            see the extra steps). Default: on CUDA (where the step is queued and the host
-            is free meanwhile); on a CPU the step runs on the host itself, so it only
-            reorders the same work.
+            step later (about 1e-7 in fp32). Off while a module of the model has forward
+            hooks (they would see the extra steps). Default: on CUDA (where the step is
+            queued and the host is free meanwhile); on a CPU the step runs on the host
+            itself, so it only reorders the same work.
         packed_bytes: CPU: budget for oneDNN-packed copies of the fp32 projections
             (engine/packed.py: q/k/v and gate/up packed as one GEMM each; kept across
             batches while the weights do not change); 0 turns them off. With them, the
