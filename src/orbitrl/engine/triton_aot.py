@@ -18,8 +18,9 @@ first unshared key), chunked prefill with and without a window.
     python scripts/compile_kernels.py --arch 90                  # the default shapes
     python scripts/compile_kernels.py --arch 86 --model DIR      # one model's shapes
 
-It must run in a process where ``orbitrl.engine.triton_attention`` is imported without
-``TRITON_INTERPRET=1`` (Triton decides at decoration time whether a kernel is interpreted);
+It drives Triton's runtime from outside (a stand-in driver that names the target, launches
+turned into compiles): checked with Triton 3.6 and 3.9. It must run in a process where
+``orbitrl.engine.triton_attention`` is imported without ``TRITON_INTERPRET=1`` (Triton decides at decoration time whether a kernel is interpreted);
 ``compiling_for`` raises if it was not.
 """
 
