@@ -25,6 +25,9 @@ if [[ -n "${GPU_CHECK_LOG:-}" ]]; then
 fi
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# output reaches the log as it is printed (a part killed by its limit keeps what it printed);
+# nothing tries the network (transformers' continuous batching may probe the Hub)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 # what the package imports (pyproject's dependencies) and what the checks run
 mods="torch triton transformers safetensors tokenizers yaml tqdm numpy matplotlib torchao pytest"
@@ -96,24 +99,27 @@ if [[ -z "$files" ]]; then
     echo "gpu_check: FAILED: no test file under tests/ has gpu-marked tests" >&2
     exit 1
 fi
-echo "== tests marked gpu in" $files "(limit 200 s)"
+echo "== tests marked gpu in" $files "(limit 230 s)"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-if ! timeout 200 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider $files 2>&1 | tee "$log"; then
+# SIGINT at the limit: pytest stops as on Ctrl-C and still prints its failures and summary;
+# a test stuck for 90 s dumps every thread's stack; the slowest tests' times are printed
+if ! timeout -s INT -k 15 230 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
+        -o faulthandler_timeout=90 --durations=15 $files 2>&1 | tee "$log"; then
     failed+=("gpu tests")
 elif grep -qE "[0-9]+ skipped" "$log"; then  # with a device present none may be skipped
     echo "gpu_check: gpu tests were skipped on a machine with a CUDA device" >&2
     failed+=("gpu tests (skipped)")
 fi
 
-echo "== benchmarks/bench_tiers.py --quick: tiers and the pulled reference on CUDA (limit 60 s)"
-timeout 60 "$PY" benchmarks/bench_tiers.py --quick --steps 4 --tiers 1,2,4 || failed+=("bench_tiers")
+echo "== benchmarks/bench_tiers.py --quick: tiers and the pulled reference on CUDA (limit 45 s)"
+timeout 45 "$PY" benchmarks/bench_tiers.py --quick --steps 4 --tiers 1,2,4 || failed+=("bench_tiers")
 
 echo "== benchmarks/bench_engine_gpu.py --quick: rollout against transformers (limit 150 s)"
 timeout 150 "$PY" benchmarks/bench_engine_gpu.py --quick || failed+=("bench_engine_gpu")
 
-echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 60 s)"
-timeout 60 "$PY" benchmarks/bench_attention_kernels.py --quick || failed+=("bench_attention_kernels")
+echo "== benchmarks/bench_attention_kernels.py: paged decode, Triton vs gather + SDPA (limit 45 s)"
+timeout 45 "$PY" benchmarks/bench_attention_kernels.py --quick || failed+=("bench_attention_kernels")
 
 if (( ${#failed[@]} )); then
     echo "gpu_check: FAILED after $((SECONDS - start)) s: ${failed[*]}" >&2
