@@ -122,7 +122,6 @@ class ModelRunner:
         if packed and k < PackedLinears.MIN_ROWS:  # the head's rows likewise (repeats)
             rows = rows + rows[-1:] * (PackedLinears.MIN_ROWS - k)
         last = hidden.index_select(0, torch.tensor(rows, device=dev))
-        if packed:
+        with RowPadded() if not packed and dev.type == "cpu" and k < ROW_FLOOR else \
+                nullcontext():
             return self.model.lm_head(last)[:k].float(), done
-        with RowPadded() if dev.type == "cpu" and k < ROW_FLOOR else nullcontext():
-            return self.model.lm_head(last).float(), done

@@ -31,6 +31,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ def compiling_for(arch: int):
     driver.set_active(_Target())
     jit.JITFunction.run, ta.COMPILE_FOR = compile_only, arch
     for k in kernels:
-        k.device_caches = _fresh_caches(k)
+        k.device_caches = defaultdict(k.create_binder)
     try:
         yield seen
     finally:
@@ -136,12 +137,6 @@ def compiling_for(arch: int):
                 k.__dict__.pop("device_caches", None)
             else:
                 k.device_caches = caches
-
-
-def _fresh_caches(kernel):
-    from collections import defaultdict
-
-    return defaultdict(kernel.create_binder)
 
 
 VARIANTS = 7  # launches per (shape, KV dtype) in _launches
