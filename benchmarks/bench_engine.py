@@ -13,14 +13,17 @@ at the cap) and every system stops that sequence exactly there:
   sequence with its own ``max_new_tokens`` (``generate_batch`` itself takes one cap for all).
 EOS is disabled everywhere. Tokens/s counts the same useful tokens for every system.
 
-Repeats: each system runs its timed generation ``--repeat`` times (default 2) in its
-process, one after another (orbitrl on the same engine, each ``generate`` starting from an
-empty prefix cache; the continuous-batching manager made afresh for each), and the table
-takes each system's fastest run; every run's time is printed (orbitrl's per-step trace
-and counters are its last run's). The ``--small`` row runs once: it reports each system's
-whole process. On a shared machine a background burst can slow one system's single run by
-10-30%, which moved the ratios by as much; the fastest of two runs of every system is less
-at its mercy.
+Repeats: each system runs its timed generation ``--repeat`` times (default 2) in its own
+process (orbitrl on the same engine, each ``generate`` starting from an empty prefix cache;
+the continuous-batching manager made afresh for each), and the table takes each system's
+fastest run; every run's time is printed (orbitrl's per-step trace and counters are its
+last run's). The systems' runs take turns (``interleaved``): every process loads and warms
+up, then round r runs each system's r-th run, one process at a time, the others waiting.
+On a shared machine the same run varies by 10-30% from minute to minute (consecutive
+orbitrl runs on the 4 x 8 workload, one process: 3.1 to 4.4 s); with each system's runs
+spread over the same minutes, a slow spell falls on every system, not on whichever one ran
+then, and the fastest of several runs of each is less at its mercy. The ``--small`` row
+runs once: it reports each system's whole process.
 
 Memory: each system runs in its own fresh process; a thread samples the process RSS
 (/proc/self/statm) every 2 ms; "peak growth" is the highest RSS seen during generation
@@ -87,22 +90,36 @@ def _rss() -> int:
 
 
 class PeakRSS:
-    """Highest RSS seen while the block runs, minus RSS on entry."""
+    """Highest RSS seen while the block runs, minus RSS on entry. ``wait(gate)`` stops the
+    sampling thread while the process waits for its turn (an idle process's thread would
+    otherwise wake every 2 ms beside another system's timed run)."""
 
     def __enter__(self):
         self.base = self.peak = _rss()
         self._stop = False
+        self._running = threading.Event()
+        self._running.set()
         self._t = threading.Thread(target=self._poll, daemon=True)
         self._t.start()
         return self
 
     def _poll(self):
         while not self._stop:
+            self._running.wait()
             self.peak = max(self.peak, _rss())
             time.sleep(0.002)
 
+    def wait(self, gate):
+        if gate is None:
+            return
+        self._running.clear()
+        self.peak = max(self.peak, _rss())
+        gate()
+        self._running.set()
+
     def __exit__(self, *exc):
         self._stop = True
+        self._running.set()
         self._t.join()
         self.peak = max(self.peak, _rss())
         self.growth = self.peak - self.base
@@ -121,7 +138,7 @@ def make_workload(num_prompts: int, n: int, cap: int, seed: int = 0):
 
 # ---- the three systems, each run in its own process ------------------------------------
 def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, trace=False,
-                repeat=1):
+                repeat=1, gate=None):
     import orbitrl
     from orbitrl.engine import Engine, Request, SamplingParams
 
@@ -159,6 +176,7 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
         runs = []
         for _ in range(repeat):  # each generate starts from an empty prefix cache
             before = eng.summary()  # its counters add up over runs: the last run's below
+            mem.wait(gate)
             t0 = time.perf_counter()
             outs = eng.generate(reqs, stop_fn=stop)
             runs.append(time.perf_counter() - t0)
@@ -182,7 +200,7 @@ def run_orbitrl(model_dir, prompts, lengths, cap, kv_dtype=None, group=True, tra
                 cow=s["cow"] - before["cow"], hits=s["prefix_hits"] - before["prefix_hits"])
 
 
-def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1):
+def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1, gate=None):
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     torch.manual_seed(0)
@@ -202,6 +220,7 @@ def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1):
     runs = []
     with PeakRSS() as mem, torch.no_grad():
         for _ in range(repeat):
+            mem.wait(gate)
             t0 = time.perf_counter()
             model.generate(ids, attention_mask=mask, max_new_tokens=cap,
                            stopping_criteria=StoppingCriteriaList([PerRow()]), **kw)
@@ -209,7 +228,7 @@ def run_hf_generate(model_dir, prompts, lengths, cap, repeat=1):
     return dict(tokens=int(target.sum()), seconds=min(runs), runs=runs, mem=mem.growth)
 
 
-def run_hf_batch(model_dir, prompts, lengths, cap, repeat=1):
+def run_hf_batch(model_dir, prompts, lengths, cap, repeat=1, gate=None):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(0)
@@ -219,6 +238,7 @@ def run_hf_batch(model_dir, prompts, lengths, cap, repeat=1):
     runs = []
     with PeakRSS() as mem:
         for _ in range(repeat):  # a fresh manager (and cache) for every run
+            mem.wait(gate)
             with model.continuous_batching_context_manager(generation_config=gc, block=True,
                                                            timeout=5) as man:
                 t0 = time.perf_counter()
@@ -290,12 +310,14 @@ def gemm_floor(model_dir, prompt_lens, lengths, cap):
                 batch1=cost[1])
 
 
-def _child(fn, args, kw, q):
+def _child(fn, args, kw, q, go=None):
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if go is not None:  # before each timed run: say so, then wait for the parent's go
+        kw = dict(kw, gate=lambda: (q.put(("idle", None)), go.get()))
     try:
-        q.put(fn(*args, **kw))
+        q.put(("result", fn(*args, **kw)))
     except Exception as e:  # report, do not hang the parent
-        q.put(dict(error=f"{type(e).__name__}: {e}"))
+        q.put(("result", dict(error=f"{type(e).__name__}: {e}")))
 
 
 def in_process(fn, *args, **kw):
@@ -306,10 +328,45 @@ def in_process(fn, *args, **kw):
     t0 = time.perf_counter()
     p = ctx.Process(target=_child, args=(fn, args, kw, q))
     p.start()
-    r = q.get()
+    r = q.get()[1]
     p.join()
     r["process_s"] = time.perf_counter() - t0
     return r
+
+
+def interleaved(jobs: list[tuple[str, object, tuple, dict]], repeat: int) -> dict:
+    """Run each job ``(name, fn, args, kw)`` in its own spawned process, their timed runs
+    taking turns: every process loads and warms up (one after another) and then waits;
+    round r runs every system's r-th timed run in order, one process at a time. So each
+    system's runs are spread over the same minutes as the others' and a slow spell of the
+    machine falls on all of them, not on whichever system ran then. ``fn`` gets
+    ``repeat`` and ``gate`` (called before each timed run). Returns name -> result."""
+    ctx = mp.get_context("spawn")
+    procs, res = {}, {}
+    for name, fn, args, kw in jobs:
+        q, go = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_child, args=(fn, args, dict(kw, repeat=repeat), q, go))
+        p.start()
+        kind, r = q.get()  # ready for its first run (or failed before it)
+        print(f"  {name}: {'loaded and warmed up' if kind == 'idle' else 'failed'}",
+              flush=True)
+        if kind == "result":
+            res[name] = r
+            p.join()
+        else:
+            procs[name] = (p, q, go)
+    for k in range(repeat):
+        for name, (p, q, go) in list(procs.items()):
+            t0 = time.perf_counter()
+            go.put(1)
+            kind, r = q.get()  # the run is over: idle before its next one, or its result
+            print(f"  run {k + 1}/{repeat} {name}: {time.perf_counter() - t0:.2f} s"
+                  f"{' (with its last checks)' if kind == 'result' else ''}", flush=True)
+            if kind == "result":  # after the last run (or an error)
+                res[name] = r
+                p.join()
+                del procs[name]
+    return {name: res[name] for name, *_ in jobs}
 
 
 def tail_workload(num_prompts: int, n: int, cap: int, vocab: int, seed: int = 0):
@@ -378,12 +435,14 @@ def run_workload(d, num_prompts, a, bw, full: bool):
                     ("orbitrl, no group sharing", run_orbitrl, dict(group=False))]
     systems += [("transformers generate", run_hf_generate, {}),
                 ("transformers generate_batch", run_hf_batch, {})]
-    res = {}
+    jobs = []
     for name, fn, extra in systems:
         args = (d, prompts, lengths, a.cap)
         if fn is run_orbitrl:
             args += (extra.get("kv_dtype"), extra.get("group", True), extra.get("trace", False))
-        res[name] = r = in_process(fn, *args, repeat=a.repeat)
+        jobs.append((name, fn, args, {}))
+    res = interleaved(jobs, a.repeat)
+    for name, r in res.items():
         if "error" in r:
             print(f"{name}: FAILED {r['error']}")
             continue
@@ -466,9 +525,10 @@ def main():
     ap.add_argument("--small", action="store_true",
                     help="only the small-model row (vocab 8000, 12 prompts x 8, a tail)")
     ap.add_argument("--repeat", type=_positive, default=2,
-                    help="timed runs per system, one after another in that system's "
-                         "process; the table takes each system's fastest run (not the "
-                         "--small row, whose whole-process time counts one run)")
+                    help="timed runs per system, the systems taking turns (round r runs "
+                         "every system's r-th run); the table takes each system's fastest "
+                         "run (not the --small row, whose whole-process time counts one "
+                         "run)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads for every system (also OMP_NUM_THREADS, so the "
                          "continuous-batching manager's thread gets it). Default 1: on 2 "

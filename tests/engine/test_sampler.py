@@ -5,7 +5,8 @@ uniforms against a pure-Python splitmix64."""
 import pytest
 import torch
 
-from orbitrl.engine.sampler import _invert_cdf, _mix_int, _signed, row_key, sample, uniforms
+from orbitrl.engine.sampler import (_invert_cdf, _mix_int, _signed, row_key, sample, uniforms,
+                                    uniforms_host)
 from orbitrl.engine.sequence import SamplingParams
 
 
@@ -92,6 +93,12 @@ def test_uniforms_match_python_splitmix_and_are_uniform():
         h = _mix_int((k & (2 ** 64 - 1)) ^ ((c * gold) & (2 ** 64 - 1)))
         assert g == (2 * (h >> 41) + 1) * 2.0 ** -24
     assert _signed(2 ** 64 - 1) == -1
+    # the host form (what ``sample`` uses on a CPU) gives the same values
+    assert uniforms_host(keys, ctr) == got.tolist()
+    more_k = [row_key(s, j) for s in range(40) for j in range(3)] + [-1, 0, 2 ** 63 - 1, -2 ** 63]
+    more_c = [(i * 7919) % 5000 for i in range(len(more_k))]
+    assert uniforms_host(more_k, more_c) == uniforms(torch.tensor(more_k),
+                                                     torch.tensor(more_c)).tolist()
     # a long stream of one key: mean and spread of a uniform, no repeats among neighbours
     u = uniforms(torch.full((100_000,), row_key(3, 4)), torch.arange(100_000))
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002

@@ -269,7 +269,15 @@ class PagedAttention:
         if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
             o = decode_attention_exact(qd, kc, vc, mask, self.scale)
         else:
-            o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), mask, self.scale, self.exact)
+            # SDPA turns a bool mask into this additive one at every call: made once per
+            # step for all layers (the same bits)
+            key = ("dec-add", window, q.dtype)
+            add = self._masks.get(key)
+            if add is None:
+                add = self._masks[key] = torch.zeros(mask.shape, dtype=q.dtype,
+                                                     device=q.device).masked_fill_(
+                    ~mask, float("-inf"))
+            o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), add, self.scale, self.exact)
         return o.reshape(b, hq, d)
 
     def _kernels(self, layer: int, q, out, window):

@@ -58,6 +58,17 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return (((h >> 41) & ((1 << 23) - 1)) * 2 + 1).float() * 2.0 ** -24
 
 
+def uniforms_host(keys: list[int], counters: list[int]) -> list[float]:
+    """:func:`uniforms` computed in Python, to the same values (the hash on unsigned
+    64-bit ints): for a step's rows on a CPU, where the 15 int64 tensor ops of the device
+    form cost more than the arithmetic (each op is several microseconds in a decode step)."""
+    out = []
+    for k, c in zip(keys, counters):
+        h = _mix_int((k & _M64) ^ ((c * _GOLD) & _M64))
+        out.append((2 * (h >> 41) + 1) * 2.0 ** -24)
+    return out
+
+
 def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """x: [B, V] temperature-scaled logits; top_k [B] long (0 = off), top_p [B] float
     (1 = off). Tokens outside each row's top-k, then outside its top-p nucleus, become -inf
@@ -180,8 +191,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int],
     """Draw one token per row from per-row SamplingParams; row ``i`` uses the uniform of
     (``keys[i]``, ``counters[i]``). Returns what :func:`sample_rows` returns."""
     dev = logits.device
-    u = uniforms(torch.tensor(keys, dtype=torch.long, device=dev),
-                 torch.tensor(counters, dtype=torch.long, device=dev))
+    if dev.type == "cpu":  # the same values, without a chain of tiny int64 ops
+        u = torch.tensor(uniforms_host(keys, counters), dtype=torch.float32)
+    else:
+        u = uniforms(torch.tensor(keys, dtype=torch.long, device=dev),
+                     torch.tensor(counters, dtype=torch.long, device=dev))
     raw = all(p.temperature == 1.0 and p.top_k <= 0 and p.top_p >= 1 for p in params)
     return sample_rows(logits.float(), u=u, **row_params(params, dev), all_raw=raw,
                        any_greedy=any(p.temperature == 0 for p in params), work=work)
