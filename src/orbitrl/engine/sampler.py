@@ -128,7 +128,9 @@ def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tens
         top_k, top_p: [B] filters, or None when no row filters (the filter sorts [B, V]).
         all_raw: the caller knows that every row samples at temperature 1, unfiltered (the
             RL default): the raw distribution's weights are reused instead of a second
-            exp over [B, V] (the same bits: ``x * 1`` is ``x``).
+            exp over [B, V] (the same bits: ``x * 1`` is ``x``), and with ``any_greedy``
+            False the logprobs returned are the raw ones (what the general path selects
+            for such rows) without computing them a second way.
         any_greedy: False when the caller knows no row is greedy (skips an argmax over
             [B, V]).
         work: optional fp32 buffer of at least 2 * B * V elements for the two [B, V]
@@ -164,6 +166,8 @@ def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tens
     drawn = _invert_cdf(w, u * total)
     tokens = torch.where(greedy, logits.argmax(-1), drawn) if any_greedy else drawn
     raw = logits.gather(1, tokens[:, None])[:, 0] - lse
+    if all_raw and top_k is None and not any_greedy:  # every row plain: lp is raw
+        return tokens, raw, raw
     lp = x.gather(1, tokens[:, None])[:, 0] - total.log()
     plain = inv_temp == 1.0  # rows drawn from the raw distribution: lp is raw exactly
     if top_k is not None:
