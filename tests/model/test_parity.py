@@ -143,3 +143,14 @@ def test_rms_norm_is_transformers_form_to_the_bit(x_dtype, w_dtype):
     gw = torch.autograd.grad(want, (x, m.weight), g)
     gg = torch.autograd.grad(got, (x, m.weight), g)
     assert all(torch.equal(a, b) for a, b in zip(gg, gw))
+    # without a graph (rollout, reference passes: an fp32 model takes in-place ops there)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+        for shape in [(1, 3, 96), (7, 96), (4, 2, 3, 96)]:
+            y = (torch.randn(shape) * 5).to(x_dtype)
+            yf = y.float()
+            ref = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + 1e-6)
+            ref = m.weight * (ref if x_dtype == torch.float32 else ref.to(x_dtype))
+            assert torch.equal(m(y), ref)
+    with torch.inference_mode():
+        assert torch.equal(m(x.detach()), want)
