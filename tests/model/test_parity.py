@@ -154,3 +154,27 @@ def test_rms_norm_is_transformers_form_to_the_bit(x_dtype, w_dtype):
             assert torch.equal(m(y), ref)
     with torch.inference_mode():
         assert torch.equal(m(x.detach()), want)
+
+
+def test_q_and_k_side_by_side_rotate_as_one():
+    """Without a graph, q and k heads that lie side by side in one GEMM's output (the
+    engine's packed q/k/v on a CPU) are rotated as one view: the same bits as rotating
+    each; anything else (separate tensors, another layout) rotates them one by one."""
+    from orbitrl.model.decoder import _side_by_side
+    from orbitrl.model.rope import apply_rotary
+
+    torch.manual_seed(0)
+    b, t, hq, hkv, d = 1, 5, 8, 2, 16
+    y = torch.randn(b, t, (hq + 2 * hkv) * d)
+    q, k, v = (z.view(b, t, -1, d) for z in y.split((hq * d, hkv * d, hkv * d), -1))
+    pos = torch.arange(t)[None]
+    freqs = pos.float()[..., None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos = torch.cat((freqs, freqs), -1).cos()[:, :, None]
+    sin = torch.cat((-freqs.sin(), freqs.sin()), -1)[:, :, None]
+    qk = _side_by_side(q, k)
+    assert qk is not None and qk.shape == (b, t, hq + hkv, d)
+    q2, k2 = apply_rotary(qk, cos, sin).split((hq, hkv), 2)
+    assert torch.equal(q2, apply_rotary(q, cos, sin)) and torch.equal(k2, apply_rotary(k, cos, sin))
+    assert _side_by_side(q, v) is None  # k's place holds other heads
+    assert _side_by_side(q.clone(), k) is None and _side_by_side(q, k.clone()) is None
+    assert _side_by_side(k, q) is None

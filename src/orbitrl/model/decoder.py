@@ -80,12 +80,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk = None if torch.is_grad_enabled() else _side_by_side(q, k)
+        if qk is not None:  # one rotation of both (it acts on each head alone)
+            q, k = apply_rotary(qk, cos, sin).split((self.nh, self.nkv), 2)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if attn is not None:
             out = attn(self.layer_idx, q, k, v)
         else:
             out = dense_attention(q, k, v, masks(self.window), self.scale, masks.exact)
         return self.o_proj(out.reshape(B, T, self.nh * self.hd))
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [B, T, Hq, D] and k [B, T, Hkv, D] as one [B, T, Hq + Hkv, D] view where each
+    row's k heads follow its q heads in memory (one GEMM's output for the q/k/v
+    projections, as the engine's packed CPU projections give), else None."""
+    st = q.stride()
+    if k.stride() != st or k.dtype != q.dtype or st[-1] != 1 or st[-2] != q.shape[-1] or \
+            k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1] or \
+            k.data_ptr() != q.data_ptr() + q.shape[2] * q.shape[3] * q.element_size() or \
+            k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():
+        return None
+    return q.as_strided((*q.shape[:2], q.shape[2] + k.shape[2], q.shape[3]), st)
 
 
 class MLP(nn.Module):
