@@ -204,8 +204,17 @@ class PagedAttention:
         self.slot_mapping = torch.cat(mapping)
         return self
 
-    def _mask(self, key, window):
-        """Decode mask [B, 1, 1, C] or prefill mask [1, 1, T, C]; True = may attend."""
+    def _mask(self, key, window, additive: torch.dtype | None = None):
+        """Decode mask [B, 1, 1, C] or prefill mask [1, 1, T, C]; True = may attend. With
+        ``additive``, the same mask as 0 / -inf of that dtype (what SDPA turns a bool mask
+        into at every call: made once per step for all layers, the same bits)."""
+        if additive is not None:
+            got = self._masks.get((key, window, additive))
+            if got is None:
+                m = self._mask(key, window)
+                got = self._masks[(key, window, additive)] = torch.zeros(
+                    m.shape, dtype=additive, device=m.device).masked_fill_(~m, float("-inf"))
+            return got
         if (key, window) not in self._masks:
             if key == "dec":
                 kpos = torch.arange(self.dec_shape[1], device=self.dec_pos.device)
@@ -265,19 +274,11 @@ class PagedAttention:
         kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
         # the G query heads sharing one kv head act as G queries of that head
         qd = q[:b].view(b, hkv, hq // hkv, d)
-        mask = self._mask("dec", window)
         if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
-            o = decode_attention_exact(qd, kc, vc, mask, self.scale)
+            o = decode_attention_exact(qd, kc, vc, self._mask("dec", window), self.scale)
         else:
-            # SDPA turns a bool mask into this additive one at every call: made once per
-            # step for all layers (the same bits)
-            key = ("dec-add", window, q.dtype)
-            add = self._masks.get(key)
-            if add is None:
-                add = self._masks[key] = torch.zeros(mask.shape, dtype=q.dtype,
-                                                     device=q.device).masked_fill_(
-                    ~mask, float("-inf"))
-            o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2), add, self.scale, self.exact)
+            o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2),
+                     self._mask("dec", window, additive=q.dtype), self.scale, self.exact)
         return o.reshape(b, hq, d)
 
     def _kernels(self, layer: int, q, out, window):
