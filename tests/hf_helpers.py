@@ -108,3 +108,23 @@ def lora_views(model, n: int = 2, seed: int = 0):
                 p.add_(torch.randn_like(p) * 0.3)
             views.append(snapshot_adapters(model))
     return views
+
+
+# ---- what this CPU's GEMMs promise ------------------------------------------------------
+def gemm_rows_invariant(k: int, n: int) -> bool:
+    """Whether this machine's fp32 GEMM (x @ W^T) gives each row the same bits in a product
+    of ``moe.row_count(m)`` rows as in a 300-row one, for m = 1..39, at a [k -> n] shape.
+
+    Measured: yes with MKL's AVX-512 kernels at the tiny test shapes; no with its AVX2
+    kernels (blocks of 6 rows: a remainder of 1-3 rows goes through another kernel, and
+    from K of a few hundred only 56 rows and more agree). Where it is no, the engine's and
+    the trainer's numbers agree within the ISA-independent bound (1e-5 of a logprob)
+    instead of to the bit (docs/moe.md)."""
+    from orbitrl.model import moe
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g)
+    with torch.no_grad():
+        big = x @ w.T
+        return all(torch.equal((x[:moe.row_count(m)] @ w.T)[:m], big[:m])
+                   for m in range(1, 40))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import orbitrl
-from hf_helpers import MOE_CONFIGS
+from hf_helpers import MOE_CONFIGS, gemm_rows_invariant
 from orbitrl.errors import OrbitError
 from orbitrl.model import moe
 from orbitrl.model.config import ModelConfig
@@ -242,11 +242,16 @@ def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     x = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(8))
     m = layer.experts
     assert layer.packed is not None and 300 * layer.top_k >= moe.FUSED_MIN_ROWS * len(m)
+    # to the bit where this CPU's GEMMs round a row alike at the padded row counts (MKL's
+    # AVX-512 kernels); on AVX2 within the ISA-independent bound
+    exact = all(gemm_rows_invariant(k, nn) for k, nn in ((64, 32), (32, 64), (64, 48)))
+    same = torch.equal if exact else \
+        (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6))  # noqa: E731
     with torch.no_grad():
         big = layer(x)[0]
         for n in range(1, 40):  # below ROW_FLOOR tokens the engine pads every GEMM too
             with RowPadded() if n < moe.ROW_FLOOR else nullcontext():
-                assert torch.equal(layer(x[:, :n])[0], big[:n]), f"{n} tokens"
+                assert same(layer(x[:, :n])[0], big[:n]), f"{n} tokens"
     x.requires_grad_(True)  # the trainer's path (loop over experts, autograd)
-    assert torch.equal(layer(x[:, :20])[0].detach(), big[:20])
+    assert same(layer(x[:, :20])[0].detach(), big[:20])
     assert [moe.row_count(m) for m in (1, 3, 4, 5, 11, 12, 13)] == [4, 4, 4, 8, 12, 12, 13]

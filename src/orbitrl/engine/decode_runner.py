@@ -25,7 +25,7 @@ before it fetches step k, so the host's per-token work overlaps the device's.
 Attention goes through one function, :func:`decode_attention`, with the signature of the
 Triton kernel ``orbitrl.engine.attention_kernels.paged_decode``, which reads the K/V blocks
 in place; it is the default on CUDA when Triton imports. Elsewhere the plain-PyTorch
-:class:`ReferencePagedDecode` (gather + mask + SDPA) takes its place.
+:class:`ReferencePagedDecode` (gather + mask + SDPA; fp32 on a CPU in fp64) takes its place.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from orbitrl.engine.attention_kernels import auto_splits
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.paged_attention import KVCache, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
+from orbitrl.model.attention import decode_attention_exact
 
 GPU_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 16))
 CPU_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 33, 4)) + tuple(range(40, 513, 8))
@@ -47,7 +48,9 @@ CPU_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 33, 4)) + tuple(range(40, 513
 class ReferencePagedDecode:
     """``paged_decode`` in plain PyTorch: each row gathers its ``MB * block_size`` slots
     with ``index_select``, masks past its context length (and outside its window) and runs
-    SDPA, the ``G`` query heads of a kv head acting as ``G`` queries of it.
+    SDPA, the ``G`` query heads of a kv head acting as ``G`` queries of it. fp32 on a CPU
+    is computed in fp64 (``decode_attention_exact``): a row's result then does not depend
+    on ``MB`` (the batch's longest row), on AVX-512 and AVX2 alike.
 
     Args (of ``__call__``): q [B, Hq, D]; k_cache, v_cache: one layer's slot-major cache
     [num_slots, Hkv, D] (uint8 bits of e4m3 when ``k_scale``/``v_scale`` [num_slots, Hkv, 1]
@@ -90,10 +93,16 @@ class ReferencePagedDecode:
         if k_scale is not None:
             k = dequantize(k, k_scale.index_select(0, idx), q.dtype)
             v = dequantize(v, v_scale.index_select(0, idx), q.dtype)
-        k = k.view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
-        v = v.view(b, -1, hkv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,
-                                           attn_mask=mask, scale=scale)
+        if q.dtype == torch.float32 and q.device.type == "cpu":
+            # fp64, as the general path's decode: fp32 SDPA's sums follow the gather's
+            # extent C (the batch's longest row), so a row's bits would depend on its batch
+            o = decode_attention_exact(q.view(b, hkv, hq // hkv, d), k.view(b, -1, hkv, d),
+                                       v.view(b, -1, hkv, d), mask, scale)
+        else:
+            k = k.view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
+            v = v.view(b, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v,
+                                               attn_mask=mask, scale=scale)
         return o.reshape(b, hq, d) * (context_lens > 0).to(q.dtype)[:, None, None]
 
 
