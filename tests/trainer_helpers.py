@@ -12,3 +12,8 @@ def make_trainer(*overrides: str) -> RLTrainer:
     cfg = load_config(None, list(overrides))
     train, held = load_data(cfg)
     return RLTrainer(cfg, train, held)
+
+
+def reward_anything(prompt: str, completion: str, **fields) -> float:
+    """A reward a policy fools at once: every reply scores 1 (for the grader tests)."""
+    return 1.0

@@ -173,6 +173,21 @@ class DataSection:
 
 
 @dataclass
+class EvalSection:
+    """Held-out evaluation (docs/eval.md): before and after the run, and every ``every``
+    steps during it; accuracy by a strict grader, the training reward beside it."""
+    grader: Literal["auto", "exact", "answer", "reward"] = "auto"  # how held-out accuracy is judged: exact (the stripped completion is the answer), answer (the final answer, extracted strictly, equals it), reward (the training reward); auto: exact for the built-in arithmetic tasks, reward for code, else answer
+    every: int = 0  # held-out accuracy and reward every N steps during the run (metrics.jsonl, the bar, the report); 0 = before and after only
+    rows: int = 0  # held-out rows per in-run evaluation (the first N); 0 = all
+    max_seconds: float = 0.0  # an in-run evaluation stops taking new rows after this many seconds (at least one chunk of rows is judged); 0 = no limit
+    warn_gap: float = 0.3  # warn when the held-out training reward passes the strict accuracy by more than this (the policy may be exploiting the reward)
+
+    def __post_init__(self):
+        _require(self, "eval", ("every", "rows"), lambda v: v >= 0, ">= 0")
+        _require(self, "eval", ("max_seconds", "warn_gap"), lambda v: v >= 0, ">= 0")
+
+
+@dataclass
 class SandboxSection:
     """Limits of the sandbox that runs programs for code-execution rewards (docs/sandbox.md)."""
 
@@ -223,12 +238,12 @@ class DistSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on GPUs, gloo on CPUs
     timeout_s: float = 300.0  # a collective waiting longer (dead or hung rank) fails the run
     reshard_after_forward: bool = True  # free each gathered layer after its forward
-    prefetch_layers: int = 1  # layers all-gathered ahead of the one computing (0 or 1)
+    prefetch_layers: int = 1  # layers all-gathered ahead of the one computing (0: on demand; the design keeps 2 in flight where memory allows)
     rollout_weights: Literal["sharded", "gathered"] = "sharded"  # gathered: whole while generating
 
     def __post_init__(self):
         _require(self, "dist", ("timeout_s",), lambda v: v > 0, "> 0")
-        _require(self, "dist", ("prefetch_layers",), lambda v: v in (0, 1), "0 or 1")
+        _require(self, "dist", ("prefetch_layers",), lambda v: v >= 0, ">= 0")
 
 
 @dataclass
@@ -241,7 +256,7 @@ class ScheduleSection:
     stale_policy: Literal["wait", "drop"] = "wait"  # wait: prompts are not handed out until their samples cannot exceed max_staleness; drop: handed out rollout.queue_size steps ahead and groups past the bound dropped (counted as stale_dropped_groups)
     partial: Literal["continue", "cut"] = "continue"  # a sample in flight at a weight update: continue on its KV under the new weights, or cut (KV dropped) and resumed by re-prefill under them; either way each token carries its version
     sync_bucket_mb: float = 512.0  # full mode: weights stream in buckets of this size, at most two in flight
-    sync_delta: bool = False  # full mode: send only the elements that changed since the last sync (index + value)
+    sync_delta: bool = False  # send each bucket as the elements that changed since the last sync (index + value) when that is smaller than the bucket, whole otherwise (never more than a full copy)
 
     def __post_init__(self):
         _require(self, "schedule", ("rollout_ranks",), lambda v: v >= 1, ">= 1")
@@ -320,6 +335,7 @@ class Config:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     data: DataSection = field(default_factory=DataSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     reward: RewardSection = field(default_factory=RewardSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     dist: DistSection = field(default_factory=DistSection)

@@ -9,7 +9,7 @@ import pytest
 import orbitrl
 from orbitrl.errors import OrbitError
 from orbitrl.rewards import RewardRunner, get_reward, list_rewards, register, registry
-from orbitrl.rewards.verifiers import (arithmetic, exact_match, first_number, format_check,
+from orbitrl.rewards.verifiers import (arithmetic, exact_match, format_check,
                                        make_format_reward)
 
 
@@ -58,10 +58,10 @@ def test_exact_match():
 
 
 def test_arithmetic():
-    assert first_number("x = -3.5 and 7") == -3.5
     assert arithmetic("q", "The answer is 1,234.", answer="1234") == 1.0
     assert arithmetic("q", "-3.5 apples", answer=-3.5) == 1.0
-    assert arithmetic("q", "12 then 13", answer=13) == 0.0
+    assert arithmetic("q", "12 then 13", answer=13) == 1.0  # the final number counts
+    assert arithmetic("q", "13 then 12", answer=13) == 0.0
     assert arithmetic("q", "no idea", answer=13) == 0.0
     with pytest.raises(ValueError, match="not a number"):
         arithmetic("q", "5", answer="five")

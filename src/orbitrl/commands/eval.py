@@ -1,8 +1,9 @@
 """`orbitrl eval --model DIR [--adapter DIR] [--task NAME | --data FILE] [--out FILE.json]`
-or `orbitrl eval --run RUN_DIR`: greedy accuracy through the path training evaluates with
-(for a data file, ``exact_match`` against its answer field; for the built-in code task, the
-fraction of tests passed in the sandbox; for a run, the run's own reward, prompt encoding
-and frozen-base format on its held-out rows). ``--task humaneval`` and ``--task
+or `orbitrl eval --run RUN_DIR`: greedy accuracy through the path training evaluates with,
+judged by a strict grader (``--grader``, rewards/graders.py; for a data file, its final
+answer against the answer field; for the built-in code task, the tests in the sandbox; for
+a run, the run's own grader, prompt encoding and frozen-base format on its held-out rows),
+with the training reward's mean on the same completions beside it. ``--task humaneval`` and ``--task
 gsm8k[:FILE]`` (pass@1 greedy, pass@k from --n samples) run in orbitrl.evals."""
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def add_arguments(parser):
     parser.add_argument("--answer-field", default="answer")
     parser.add_argument("--reward", help="registered reward name (default: the task's own, "
                         "code for --task code, else exact_match)")
+    parser.add_argument("--grader", choices=("auto", "exact", "answer", "reward"),
+                        default="auto", help="how accuracy is judged (the training reward's "
+                        "mean is printed beside it): exact (the stripped completion is the "
+                        "answer), answer (the final answer, extracted strictly, equals it), "
+                        "reward (the reward); auto: exact for the built-in arithmetic tasks, "
+                        "reward for code, else answer (docs/eval.md); --run: the run's "
+                        "eval.grader")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="completion cap (default 8; humaneval 384, gsm8k 256)")
     parser.add_argument("--chat-template", action="store_true",
@@ -51,6 +59,7 @@ def run(args) -> int:
 
     from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows
     from orbitrl.rewards import RewardRunner
+    from orbitrl.rewards.graders import choose_grader
 
     torch.set_num_threads(1)
     if args.run:
@@ -70,9 +79,10 @@ def run(args) -> int:
     fields = SimpleNamespace(prompt_field=args.prompt_field, answer_field=args.answer_field,
                              chat_template=args.chat_template)
     model, tok, path = _load(args.model, args.adapter)
+    grader = choose_grader(args.grader, name, None if args.data else task)
     return _evaluate(args, model, tok, path, args.adapter,
                      rows[:args.limit] if args.limit else rows, runner, fields, args.max_tokens,
-                     source, _task_env(None if args.data else task, args))
+                     source, _task_env(None if args.data else task, args), grader, name)
 
 
 def _run_of(args) -> int:
@@ -84,6 +94,7 @@ def _run_of(args) -> int:
     from orbitrl.errors import OrbitError
     from orbitrl.rewards import RewardRunner
     from orbitrl.rl.run import load_data
+    from orbitrl.rewards.graders import choose_grader
     from orbitrl.rl.score import reward_sources
 
     run = Path(args.run)
@@ -104,10 +115,12 @@ def _run_of(args) -> int:
     else:
         model, tok, path = _load(final, None)
         adapter = None
+    grader = choose_grader(cfg.eval.grader, cfg.reward.name,
+                           None if cfg.data.train else cfg.data.task)
     return _evaluate(args, model, tok, path, adapter,
                      held[:args.limit] if args.limit else held, runner, cfg.data,
                      cfg.rollout.max_tokens, f"run {run} (held-out rows)",
-                     cfg if cfg.env.name else None)
+                     cfg if cfg.env.name else None, grader, cfg.reward.name)
 
 
 def _load(model_path, adapter):
@@ -186,20 +199,26 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None
 
 
 def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source,
-              env_cfg=None) -> int:
+              env_cfg=None, grader=("reward", None), reward_name="reward") -> int:
     """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
-    accuracy and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
+    accuracy (``grader``: (name, function) from rewards/graders.py) with the reward's mean
+    beside it, and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
     from orbitrl.rl.evaluate import tool_summary
 
-    acc, records = _evaluator(model, tok, data, max_tokens, env_cfg,
-                              args.packed_mb).run(rows, runner)
+    j = _evaluator(model, tok, data, max_tokens, env_cfg,
+                   args.packed_mb).judge(rows, runner, grader[1])
+    acc, records = j.accuracy, j.records
     for r in records:  # a failing verifier is an error for that row, scored 0
         if "error" in r:
             r["completion"] += f"  [reward error: {r.pop('error')}]"
-    total = sum(r["score"] for r in records)
+    total = sum(r["correct"] for r in records)
     print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
-          + (f" + adapter {adapter}" if adapter else ""))
+          + (f" + adapter {adapter}" if adapter else "")
+          + f"; grader {grader[0]}, reward {reward_name!r} mean {j.reward:.4f}")
+    if j.reward - acc > 0.3:
+        print(f"warning: the reward {reward_name!r} gives {j.reward:.3f} where the strict "
+              f"grader gives {acc:.3f}: it scores replies the grader does not (exploited?)")
     tools = tool_summary(records)
     if tools is not None:  # multi-turn: the accuracy is the completion rate
         print(f"tools: called in {tools['tool_use_rate']:.1%} of trajectories, correctly "
@@ -207,6 +226,8 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
               f"tool {tools['tool_solved_rate']:.1%}, without {tools['solved_without_tool']:.1%}"
               f"; {tools['tool_errors']} tool errors, {tools['turns_mean']:.2f} turns")
     if args.out:
-        Path(args.out).write_text(json.dumps({"accuracy": acc, "n": len(rows), **(tools or {}),
+        Path(args.out).write_text(json.dumps({"accuracy": acc, "grader": grader[0],
+                                              "reward_mean": j.reward, "n": len(rows),
+                                              **(tools or {}),
                                               "rows": records}, indent=1))
     return 0

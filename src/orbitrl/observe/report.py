@@ -16,6 +16,8 @@ from orbitrl.observe.metrics import read_metrics
 PLOTS = [
     ("reward", "Reward by source", lambda k: k == "reward_mean" or
      (k.startswith("reward_") and k.endswith("_mean"))),
+    ("heldout", "Held-out accuracy (strict grader) and reward, beside the training reward",
+     lambda k: k in ("heldout_accuracy", "heldout_reward", "reward_mean")),
     ("kl", "KL to the anchor", lambda k: k in ("kl", "kl_coef")),
     ("entropy", "Entropy (nats/token)", lambda k: k == "entropy"),
     ("grad_norm", "Gradient norm", lambda k: k == "grad_norm"),
@@ -78,7 +80,10 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             ys = [y for y in ys if y is not None]
             if name == "memory":
                 ys = [y / 2**20 for y in ys]
-            ax.plot(xs, ys, alpha=0.35 if name == "reward" else 0.9, lw=1, label=k)
+            sparse = k.startswith("heldout_")  # eval.every steps only
+            ax.plot(xs, ys, alpha=0.35 if name == "reward" or (name == "heldout" and not
+                                                               sparse) else 0.9,
+                    lw=1.5 if sparse else 1, marker="o" if sparse else None, label=k)
             if name == "reward":
                 ax.plot(xs, _smooth(ys), lw=2, label=f"{k} (10-step mean)")
         ax.set_title(title)

@@ -13,9 +13,9 @@ import threading
 from typing import Any
 
 from orbitrl.errors import OrbitError
+from orbitrl.rewards.answers import admissible, as_number, final_answer, strict_correct
 from orbitrl.rewards.registry import register
 
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
 
 FORMAT_PRESETS = {
     "boxed": r"\\boxed\{.+?\}",
@@ -48,25 +48,16 @@ def exact_match(prompt: str, completion: str, **fields: Any) -> float:
     return 1.0 if text == str(_answer(fields, "exact_match")).strip() else 0.0
 
 
-def first_number(text: str) -> float | None:
-    """The first number in `text` ("1,234", "-3.5", ".5"), or None."""
-    m = _NUMBER.search(text)
-    return float(m.group(0).replace(",", "")) if m else None
-
-
 @register("arithmetic")
 def arithmetic(prompt: str, completion: str, **fields: Any) -> float:
-    """1.0 when the first number in the completion equals the answer numerically
-    (relative tolerance 1e-9, absolute 1e-6), else 0.0; no number is a wrong answer."""
+    """1.0 when the completion's final answer (rewards/answers.py: a box, an answer line or
+    the final number; never a list of candidates, an operand or text copied from the prompt)
+    is one number equal to the answer (relative tolerance 1e-9, absolute 1e-6), else 0.0."""
     answer = _answer(fields, "arithmetic")
-    try:
-        target = float(str(answer).replace(",", "").strip())
-    except ValueError as e:
-        raise ValueError(f"reward 'arithmetic': answer {answer!r} is not a number") from e
-    got = first_number(cut_at_eos(completion, fields.get("eos_text")))
-    if got is None:
-        return 0.0
-    return 1.0 if math.isclose(got, target, rel_tol=1e-9, abs_tol=1e-6) else 0.0
+    if as_number(str(answer)) is None:
+        raise ValueError(f"reward 'arithmetic': answer {answer!r} is not a number")
+    text = cut_at_eos(completion, fields.get("eos_text"))
+    return 1.0 if strict_correct(text, answer, prompt) else 0.0
 
 
 def _drop_timeout_notice(record: logging.LogRecord) -> bool:
@@ -75,7 +66,10 @@ def _drop_timeout_notice(record: logging.LogRecord) -> bool:
 
 @register("math")
 def math_answer(prompt: str, completion: str, **fields: Any) -> float:
-    """1.0 when math-verify finds the completion's answer equivalent to the gold answer.
+    """1.0 when the completion's final answer (rewards/answers.py: the last box, an answer
+    line or the final number; never a list of candidates or an expression copied from the
+    prompt) equals the gold answer: a numeric gold answer wants a number or a fraction of
+    that value, any other by math-verify's equivalence.
 
     math-verify's own timeouts use SIGALRM, which only works in the main thread; inside a
     RewardRunner worker they are off and the runner's time limit applies instead.
@@ -91,12 +85,22 @@ def math_answer(prompt: str, completion: str, **fields: Any) -> float:
     main = threading.current_thread() is threading.main_thread()
     t = 5 if main else None
     answer = str(_answer(fields, "math"))
-    gold = parse(answer, parsing_timeout=t)
-    if not gold:
-        gold = parse(f"${answer}$", parsing_timeout=t)
+    # the gold answer read as the reply's is (a box's content): plain text would be read
+    # as its last number ("(1, 2)" as 2)
+    gold = parse("\\boxed{" + answer + "}", parsing_timeout=t) or \
+        parse(f"${answer}$", parsing_timeout=t) or parse(answer, parsing_timeout=t)
     if not gold:
         raise ValueError(f"reward 'math': cannot parse the answer {answer!r}")
-    pred = parse(cut_at_eos(completion, fields.get("eos_text")), parsing_timeout=t)
+    # only the reply's final answer is judged: math-verify given the whole text finds any
+    # expression in it (a restated "23 + 45" is proved equal to 68)
+    ans = final_answer(cut_at_eos(completion, fields.get("eos_text")), prompt)
+    if ans is None or not admissible(ans, answer, prompt):
+        return 0.0
+    want, got = as_number(answer), as_number(ans.text)
+    if want is not None:  # a number wants a number (or a fraction), not an expression
+        ok = got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6)
+        return 1.0 if ok else 0.0
+    pred = parse("\\boxed{" + ans.text + "}", parsing_timeout=t)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=t) else 0.0
 
 

@@ -9,7 +9,9 @@ error scored 0, as in training); the suite's tasks judge the completions themsel
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Callable
 
 from orbitrl.errors import OrbitError
@@ -22,6 +24,16 @@ def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
     if answer_field in row:
         out["answer"] = row[answer_field]
     return out
+
+
+@dataclass
+class Judged:
+    """accuracy: the strict grader's over the rows judged; reward: the mean training reward
+    of the same completions; n: rows judged (every rank's); records: this rank's rows."""
+    accuracy: float
+    reward: float
+    n: int
+    records: list
 
 
 class Evaluator:
@@ -113,6 +125,38 @@ class Evaluator:
             reward: a RewardRunner, a registered reward's name or a reward callable.
             version: the policy version (kept for callers; greedy decoding ignores it).
         """
+        j = self.judge(rows, reward, version=version)
+        return j.reward, j.records
+
+    def judge(self, rows: list[dict], reward, grader=None, max_seconds: float = 0.0,
+              version: int = 0) -> "Judged":
+        """Greedy completions of ``rows``, each scored by the training ``reward`` and judged
+        by ``grader`` (``fn(prompt, completion, answer) -> bool``, rewards/graders.py; None:
+        correct = the reward is 1).
+
+        Args:
+            max_seconds: > 0: rows go in chunks of CHUNK_ROWS and no chunk starts after
+                this many seconds (the first always runs); ``Judged.n`` counts those judged.
+        """
+        chunks = [rows] if max_seconds <= 0 else \
+            [rows[i:i + self.CHUNK_ROWS] for i in range(0, len(rows), self.CHUNK_ROWS)]
+        t0 = time.perf_counter()
+        out = Judged(0.0, 0.0, 0, [])
+        rsum = csum = 0.0
+        for i, chunk in enumerate(chunks):
+            if i and self.coll.any(time.perf_counter() - t0 > max_seconds):
+                break
+            r, c, records = self._judge(chunk, reward, grader, version)
+            rsum, csum, out.n = rsum + r, csum + c, out.n + len(chunk)
+            out.records += records
+        out.reward, out.accuracy = rsum / max(1, out.n), csum / max(1, out.n)
+        return out
+
+    CHUNK_ROWS = 16
+
+    def _judge(self, rows, reward, grader, version):
+        """(reward sum, correct sum) over every rank's share of ``rows``, and this rank's
+        records."""
         from orbitrl.engine import SamplingParams
 
         d = self.data
@@ -138,15 +182,20 @@ class Evaluator:
             if isinstance(s, _Dropped):
                 failed.setdefault(i, "trajectory dropped (environment error or time limit)")
         infos = [s.info for s in samples] if samples else [{}] * len(rows)
+        correct = [bool(x == 1.0) if grader is None else
+                   bool(grader(r[d.prompt_field], t, r.get(d.answer_field)))
+                   for r, t, x in zip(rows, texts, res.rewards)]
         records = [{"prompt": r[d.prompt_field], "completion": t, "answer":
-                    r.get(d.answer_field), "score": x,
+                    r.get(d.answer_field), "score": x, "correct": ok,
                     **({"turns": info["turns"], "tool_calls": info.get("tool_calls", 0),
                         "tool_errors": info.get("tool_errors", 0),
                         "tool_correct": info.get("answer_hits", 0) > 0,
                         "trajectory": _transcript(samples[i])} if info.get("turns") else {}),
                     **({"error": failed[i]} if i in failed else {})}
-                   for i, (r, t, x, info) in enumerate(zip(rows, texts, res.rewards, infos))]
-        return float(self.coll.all_sum(float(sum(res.rewards))) / max(1, total)), records
+                   for i, (r, t, x, info, ok) in enumerate(zip(rows, texts, res.rewards,
+                                                                infos, correct))]
+        return (float(self.coll.all_sum(float(sum(res.rewards)))),
+                float(self.coll.all_sum(float(sum(correct)))), records)
 
     def _runner(self, reward):
         from orbitrl.rewards import RewardRunner, RewardSource, get_reward

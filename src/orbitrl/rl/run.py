@@ -51,6 +51,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     roles = assign_roles(cfg, dist) if dist is not None else None
     world = dist.world if dist is not None else 1
     check_rewards(cfg)  # fail on a bad name before loading
+    if cfg.eval.every and (cfg.rollout.overlap or cfg.schedule.shape != "colocated"):
+        raise OrbitError("config key 'eval.every' needs the colocated engine between steps "
+                         "(rollout.overlap false, schedule.shape colocated): an overlapped "
+                         "rollout is using it")
     train_rows, held = load_data(cfg)
     if roles is not None:  # separate pools: rollout ranks serve the leader, then leave
         if roles.is_rollout:
@@ -71,7 +75,7 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
     start = RunStart.begin(trainer, ckpt.latest() if resume else None, held, clock, echo)
-    stopped = train_loop(trainer, cfg, coll, ckpt, run_dir, start, clock)
+    stopped = train_loop(trainer, cfg, coll, ckpt, run_dir, start, clock, held)
     ckpt.save(trainer, start.extra(clock), block=True)
     if stopped in ("SIGINT", "SIGTERM"):
         echo(f"stopped by {stopped} at step {trainer.iteration}; checkpoint written, "
@@ -81,6 +85,10 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     save_policy(trainer, run_dir / "checkpoints" / "final")
     summary = run_summary(trainer, start, after, stopped, clock, coll)
     summary.update(schedule_summary(trainer, cfg, world, echo))
+    if (warn := reward_gap_warning(cfg, summary["heldout_accuracy_after"],
+                                   summary["heldout_reward_after"])):
+        echo(warn)
+        summary["reward_gap_warning"] = warn
     if coll.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if roles is not None:  # the rollout ranks waited through evaluation and checkpoints
@@ -135,6 +143,7 @@ class RunStart:
     lenient: str | None
     rewards: list
     resumed: bool
+    reward: float | None = None  # the held-out mean training reward before training
 
     @classmethod
     def begin(cls, trainer, latest: Path | None, held: list[dict], clock: RunClock, echo):
@@ -146,26 +155,30 @@ class RunStart:
         lenient = "arithmetic" if not cfg.data.train and cfg.reward.name == "exact_match" \
             else None
         if latest is None:
-            acc = trainer.evaluate(held)
+            j = held_out(trainer, held)
             num = trainer.evaluate(held, lenient) if lenient else None
-            echo(f"held-out accuracy before: {acc:.3f}")
-            return cls(acc, num, lenient, None, False)
+            echo(f"held-out accuracy before: {j.accuracy:.3f} (reward {j.reward:.3f})")
+            return cls(j.accuracy, num, lenient, None, False, j.reward)
         x = resume_from(trainer, latest)["extra"]  # either format, at any world size
         clock.prior = x.get("wall_seconds", 0.0)
         echo(f"resumed from {latest} at step {trainer.iteration}")
         return cls(x["heldout_accuracy_before"], x.get("heldout_number_accuracy_before"),
-                   lenient, list(x["rewards"]) if "rewards" in x else None, True)
+                   lenient, list(x["rewards"]) if "rewards" in x else None, True,
+                   x.get("heldout_reward_before"))
 
     def extra(self, clock: RunClock) -> dict:
         """What a checkpoint keeps of the run besides the trainer's state."""
         return {"heldout_accuracy_before": self.acc,
                 "heldout_number_accuracy_before": self.number,
+                "heldout_reward_before": self.reward,
                 "wall_seconds": clock.wall(), "rewards": list(self.rewards)}
 
 
 def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
-               clock: RunClock) -> str:
-    """Steps until ``train.max_steps``, the time budget or a signal; returns why it ended."""
+               clock: RunClock, held: list[dict] | None = None) -> str:
+    """Steps until ``train.max_steps``, the time budget or a signal; returns why it ended.
+    With ``eval.every``, every N-th step's row also holds the held-out accuracy and reward
+    (``heldout_accuracy``, ``heldout_reward``, ``heldout_rows``)."""
     from orbitrl.rl.trainer import StepAbandoned
 
     log = RunLog(run_dir, cfg, coll, trainer.iteration)
@@ -180,6 +193,7 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
     bar = Progress(cfg.train.max_steps, budget, trainer.iteration,
                    disable=not (cfg.log.progress and coll.is_main))
     stopped = "max_steps"
+    last_acc = None  # the latest in-run held-out accuracy, on the bar
     try:
         while trainer.iteration < cfg.train.max_steps:
             # ranks stop together (each later step is a collective): decisions are reduced
@@ -190,13 +204,21 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
                 stopped = stop.signal or "SIGTERM"
                 break
             row = coll.reduce_row(trainer.step())
+            validate = bool(held) and cfg.eval.every > 0 and \
+                trainer.iteration % cfg.eval.every == 0
+            if validate:
+                j = held_out(trainer, held, cfg.eval.rows, cfg.eval.max_seconds)
+                row.update(heldout_accuracy=j.accuracy, heldout_reward=j.reward,
+                           heldout_rows=j.n)
+                last_acc = f"{j.accuracy:.3f}"
             row["wall_s"] = clock.wall()
-            log.write(row, trainer.iteration % cfg.log.every == 0)
+            log.write(row, validate or trainer.iteration % cfg.log.every == 0)
             log.trajectories(trainer.last_trajectories)
             start.rewards.append(row["reward_mean"])
             recent = start.rewards[-20:]
             bar.update(trainer.iteration, reward=f"{sum(recent) / len(recent):.3f}",
-                       kl=f"{row.get('kl', 0.0):.4f}")
+                       kl=f"{row.get('kl', 0.0):.4f}",
+                       **({"acc": last_acc} if last_acc is not None else {}))
             if cfg.checkpoint.every and trainer.iteration % cfg.checkpoint.every == 0:
                 ckpt.save(trainer, start.extra(clock))
     except StepAbandoned:
@@ -251,9 +273,34 @@ class RunLog:
         self.external.close()
 
 
+def held_out(trainer, held: list[dict], rows: int = 0, max_seconds: float = 0.0):
+    """Greedy completions of the held-out rows (the first ``rows``; 0: all) judged by the
+    run's strict grader (``eval.grader``, rewards/graders.py), the training reward beside it
+    (:class:`orbitrl.rl.evaluate.Judged`)."""
+    from orbitrl.rewards.graders import choose_grader
+
+    cfg = trainer.cfg
+    _, grader = choose_grader(cfg.eval.grader, cfg.reward.name,
+                              None if cfg.data.train else cfg.data.task)
+    return trainer.evaluator.judge(held[:rows or None], trainer.rewards, grader, max_seconds,
+                                   trainer.step_idx)
+
+
+def reward_gap_warning(cfg: Config, accuracy: float, reward: float) -> str | None:
+    """The warning when the held-out training reward passes the strict accuracy by more than
+    ``eval.warn_gap`` (a reward that scores what the grader does not: exploited)."""
+    if reward - accuracy <= cfg.eval.warn_gap:
+        return None
+    return (f"warning: on the held-out rows the training reward {cfg.reward.name!r} gives "
+            f"{reward:.3f} where the strict grader gives {accuracy:.3f}: the policy may be "
+            f"exploiting the reward {cfg.reward.name!r} (compare completions in "
+            f"metrics/summary; docs/eval.md)")
+
+
 def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
     """Held-out accuracy after training (and the built-in task's any-format accuracy)."""
-    out = {"heldout_accuracy_after": trainer.evaluate(held)}
+    j = held_out(trainer, held)
+    out = {"heldout_accuracy_after": j.accuracy, "heldout_reward_after": j.reward}
     if start.lenient:
         out["heldout_number_accuracy_after"] = trainer.evaluate(held, start.lenient)
     return out
@@ -262,6 +309,8 @@ def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
 def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunClock,
                 coll) -> dict:
     """summary.json: held-out accuracy before and after, rewards, skips, memory."""
+    from orbitrl.rewards.graders import choose_grader
+
     cfg, rewards = trainer.cfg, start.rewards
     extra_acc = {}
     if start.lenient:
@@ -270,6 +319,10 @@ def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunC
     summary = {
         "heldout_accuracy_before": start.acc,
         "heldout_accuracy_after": after["heldout_accuracy_after"],
+        "heldout_reward_before": start.reward,
+        "heldout_reward_after": after["heldout_reward_after"],
+        "heldout_grader": choose_grader(cfg.eval.grader, cfg.reward.name,
+                                        None if cfg.data.train else cfg.data.task)[0],
         "steps": trainer.iteration, "optimizer_steps": trainer.step_idx, "stopped": stopped,
         "wall_seconds": clock.wall(),
         "reward_first_20": _mean(rewards[:20]), "reward_last_20": _mean(rewards[-20:]),
@@ -404,6 +457,10 @@ def _mean(xs):
 def print_summary(summary: dict, run_dir: Path, echo=print):
     rows = [("held-out accuracy before", f"{summary['heldout_accuracy_before']:.3f}"),
             ("held-out accuracy after", f"{summary['heldout_accuracy_after']:.3f}"),
+            *([("held-out training reward (before -> after)",
+                f"{summary['heldout_reward_before'] or 0.0:.3f} -> "
+                f"{summary['heldout_reward_after']:.3f}")]
+              if "heldout_reward_after" in summary else []),
             *([("held-out number right, any format (before -> after)",
                 f"{summary['heldout_number_accuracy_before']:.3f} -> "
                 f"{summary['heldout_number_accuracy_after']:.3f}")]
