@@ -11,12 +11,12 @@ import torch.distributed as td
 from orbitrl.distributed.env import Dist, exit_now
 
 
-def _model(seed=0):
+def _model(seed=0, layers=3):
     from orbitrl.model.config import ModelConfig
     from orbitrl.model.decoder import Decoder
 
     cfg = ModelConfig.from_hf(dict(model_type="llama", vocab_size=32, hidden_size=32,
-                                   intermediate_size=48, num_hidden_layers=3,
+                                   intermediate_size=48, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=32, rms_norm_eps=1e-6,
                                    tie_word_embeddings=False))
@@ -122,6 +122,39 @@ def check_empty_rank(d: Dist):
         assert float((out - whiten(x, m)).abs().max()) < 1e-6
     else:
         join_empty(d, 4, "cpu")
+
+
+def check_prefetch_depth(d: Dist):
+    """``prefetch_layers`` k: when layer i's forward starts, layers i .. i+k are gathered or
+    their all-gathers in flight (fewer only at the end). The depth is read from FSDP2's
+    parameter groups (gathered, or an all-gather pending); the loss does not change with
+    it."""
+    from orbitrl.distributed.fsdp import shard_model
+
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for k in (0, 1, 2, 3):
+        m = _model(layers=6)
+        shard_model(m, d, prefetch_layers=k)
+        layers = list(m.model.layers)
+
+        def depth():
+            groups = [lyr._get_fsdp_state()._fsdp_param_group for lyr in layers]
+            return sum(bool(g.is_unsharded or g._all_gather_result is not None)
+                       for g in groups)
+
+        seen = []
+        hooks = [lyr.register_forward_pre_hook(lambda *a: seen.append(depth()))
+                 for lyr in layers]
+        loss = _loss(m, ids)
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        n = len(layers)
+        # layer i and the next min(k, n-1-i) (the one before was resharded after its forward)
+        assert seen == [1 + min(k, n - 1 - i) for i in range(n)], (k, seen)
+        outs.append(float(loss))
+    assert len(set(outs)) == 1, outs
 
 
 def check_metrics(d: Dist):

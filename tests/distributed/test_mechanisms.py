@@ -60,7 +60,7 @@ def test_bad_launch_is_one_line_error(env, over, needle):
 
 
 @pytest.mark.parametrize("item,needle", [("dist.timeout_s=0", "dist.timeout_s"),
-                                         ("dist.prefetch_layers=2", "dist.prefetch_layers"),
+                                         ("dist.prefetch_layers=-1", "dist.prefetch_layers"),
                                          ("dist.backend=mpi", "dist.backend")])
 def test_bad_dist_keys(item, needle):
     with pytest.raises(OrbitError, match=needle):
@@ -74,7 +74,7 @@ def test_launch_kills_a_hang():
 
 def test_sharded_mechanisms_match_one_process():
     res = launch.run([sys.executable, str(CHECKS), "fused_optimizers", "lockstep",
-                      "global_batch", "empty_rank", "metrics"], 2, TIMEOUT_S,
+                      "global_batch", "empty_rank", "metrics", "prefetch_depth"], 2, TIMEOUT_S,
                      env=rank_env())
     for r in res:
         assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"

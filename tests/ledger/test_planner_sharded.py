@@ -69,3 +69,14 @@ def test_gathered_rollout_holds_the_whole_weights():
     assert sharded["comm_buffers:gather"] == 2 * s.layer_params * 4
     assert whole["comm_buffers:gather"] == s.total_params * 4
     assert whole["actor:weights"] == sharded["actor:weights"]  # the shard stays too
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_prefetch_depth_prices_one_gathered_layer_each(k):
+    """``dist.prefetch_layers`` k: the computing layer plus k gathered ahead, in every phase
+    (tests/distributed/rank_checks.py ``prefetch_depth`` counts them in a 2-rank run)."""
+    layer = from_config(HF).layer_params * 4
+    terms = predict("full", 2, "cpu", "model.base_dtype=fp32",
+                    f"dist.prefetch_layers={k}")["terms"]
+    for ph in ("rollout", "score", "train"):
+        assert terms[ph]["comm_buffers:gather"] == (k + 1) * layer

@@ -41,8 +41,10 @@ def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True
     Args:
         reshard_after_forward: free each layer's gathered weights after its forward (the
             backward gathers them again); False keeps them until backward ends.
-        prefetch_layers: 1 issues the all-gather of the next layer (forward) or the previous
-            one (backward) while the current one computes; 0 gathers on demand.
+        prefetch_layers: k >= 1 issues the all-gathers of the next k layers (forward) or the
+            previous k (backward) while the current one computes, so k layers are in flight
+            or gathered beside it (the design's two: ``dist.prefetch_layers: 2``); 0 gathers
+            on demand.
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -65,11 +67,14 @@ def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     if prefetch_layers:
+        # layer i asks for i+1 .. i+k (backward: i-1 .. i-k, nearest first); a layer
+        # already gathered by an earlier ask is not gathered again
+        k = prefetch_layers
         for i, layer in enumerate(layers):
             if i + 1 < len(layers):
-                layer.set_modules_to_forward_prefetch([layers[i + 1]])
+                layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + k])
             if i > 0:
-                layer.set_modules_to_backward_prefetch([layers[i - 1]])
+                layer.set_modules_to_backward_prefetch(layers[max(0, i - k):i][::-1])
 
 
 def shard_policy(policy, dist: Dist, cfg) -> None:

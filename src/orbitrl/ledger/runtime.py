@@ -237,7 +237,7 @@ def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n:
       only when they are plain parameters (``base_sharded``: an fp32 base); a bf16 or
       quantized base lives in buffers and stays whole on every rank.
     - ``comm_buffers:gather``: ``prefetch_depth + 1`` decoder layers' sharded parameters
-      gathered whole at once (the computing layer and the prefetched one), in every phase
+      gathered whole at once (the computing layer and the prefetched ones), in every phase
       (generation and scoring gather per layer too, in lockstep).
     - ``comm_buffers:gather_staging``: the all-gather in flight: FSDP2 copies this rank's
       shard of the layer into an input buffer (``1/n`` of a layer) and gathers into one
