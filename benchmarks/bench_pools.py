@@ -2,9 +2,10 @@
 measured one per shape on a long-tailed workload, and the built-in task learned in every
 separated shape.
 
-    python benchmarks/bench_pools.py                  # both tables
+    python benchmarks/bench_pools.py                  # all three tables
     python benchmarks/bench_pools.py --only tail      # the step-time table only
     python benchmarks/bench_pools.py --only learn     # the learning check only
+    python benchmarks/bench_pools.py --only sync      # weight-sync bytes only (fast)
 
 ``tail``: a long-tailed workload built here, not shipped. A model of the built-in model's
 shape (Qwen2, 4 layers, hidden 128) over the built-in tokenizer's 90 tokens, randomly
@@ -25,6 +26,12 @@ same steps (``time_step_predicted_s``, ``observe/schedule.py``), skipping the fi
 partial rollouts continued and cut, ``rollout.queue_size=2`` and ``schedule.max_staleness=2``:
 held-out accuracy before -> after (asserted +0.30 or more) and the largest staleness any
 step logged (asserted within the bound, from metrics.jsonl).
+
+``sync``: the weight sync's bytes against a full copy of the same tensors, summed over a
+short separated run on 2 ranks (the built-in model and task, ``--sync-steps`` steps,
+``schedule.sync_bucket_mb=0.25`` so the full model is several buckets), in adapter and full
+mode, with ``schedule.sync_delta`` off and on (asserted: never more than a full copy), from
+the ``sync_bytes`` and ``sync_full_bytes`` columns of metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -121,11 +128,41 @@ def summarize(out: Path, shape: str, world: int, wall: float) -> dict:
                                                         s["reward_last_20"])}
 
 
+SYNC_RUNS = [("adapter", False), ("adapter", True), ("full", False), ("full", True)]
+
+
+def sync_table(tmp: Path, steps: int):
+    """Bytes each mode's syncs moved against full copies, summed over the run's syncs."""
+    print("| mode | sync_delta | syncs | bytes sent | full copy | sent / full | "
+          "buckets sent whole | elements sent |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, delta in SYNC_RUNS:
+        out = tmp / f"sync-{mode}-{int(delta)}"
+        launch("separated", 2, [f"train.max_steps={steps}", f"train.mode={mode}",
+                                "model.base_dtype=fp32", "schedule.sync_bucket_mb=0.25",
+                                f"schedule.sync_delta={str(delta).lower()}",
+                                "data.heldout_size=4"], out)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "sync_full_bytes" in r]
+        sent = sum(r["sync_bytes"] for r in rows)
+        full = sum(r["sync_full_bytes"] for r in rows)
+        assert all(r["sync_bytes"] <= r["sync_full_bytes"] for r in rows), mode
+        whole = sum(r["sync_buckets_full"] for r in rows)
+        print(f"| {mode} | {str(delta).lower()} | {len(rows)} | {sent:,} | {full:,} | "
+              f"{sent / full:.3f} | {whole} / {sum(r['sync_buckets'] for r in rows)} | "
+              f"{sum(r['sync_elements'] for r in rows):,} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["tail", "learn"])
+    ap.add_argument("--only", choices=["tail", "learn", "sync"])
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    ap.add_argument("--sync-steps", type=int, default=4, help="steps of each sync run")
     args = ap.parse_args()
+    if args.only == "sync":
+        with tempfile.TemporaryDirectory() as tmp:
+            sync_table(args.keep or Path(tmp), args.sync_steps)
+        return
     print("| workload | shape | ranks | steps | held-out before -> after | wall s | "
           "step s measured | step s predicted | predicted/measured - 1 | staleness max | "
           "completion len mean / max, truncated |")
@@ -144,6 +181,9 @@ def main():
                       f"{r['len_mean']:.1f} / {r['len_max']}, {r['trunc']:.1%} |", flush=True)
                 if wl == "learn":
                     assert r["after"] - r["before"] >= 0.30, f"{shape}: learned too little"
+        if not args.only:
+            print()
+            sync_table(args.keep or Path(tmp), args.sync_steps)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,12 @@ def _sync(model, bucket: int, delta: bool, ch: Channel, group, rank: int, edits)
         else:
             (_, ver, kind, count), _ = ch.wait()
             out.append(ws.receive(ver, kind, count))
-        # both sides now hold the same version, bit for bit
-        flat = torch.cat([p.detach().reshape(-1) for p in ws.params])
+        # both sides now hold the same version, bit for bit (-0.0 is not 0.0 here)
+        flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in ws.params])
         both = [torch.zeros_like(flat), torch.zeros_like(flat)]
         td.all_gather(both, flat, group=group)
         assert torch.equal(both[0], both[1]), f"version {v} differs after the sync"
+        assert out[-1].bytes <= out[-1].full_bytes == ws.total_bytes, out[-1]
     return ws, out
 
 
@@ -94,7 +95,57 @@ def check_full_delta(rank, ch, group):
     assert stats[0].kind == "full" and stats[0].bytes == 4 * n
     for s in stats[1:]:
         assert s.kind == "delta" and 0 < s.changed < 0.02 * n, (s.changed, n)
-        assert s.bytes == 12 * s.changed
+        assert s.bytes == 12 * s.changed and s.full_buckets == 0, s
+        assert s.metrics()["sync_full_bytes"] == 4 * n
+
+
+def check_bucket_choice(rank, ch, group):
+    """Delta sync decides per bucket: a bucket whose every element changed goes whole
+    (4 bytes an element, not 12), one with 1% changed goes as (index, value) pairs, so a
+    sync moves at most a full copy. Version 2 changes one element from +0.0 to -0.0 (equal
+    as floats, not as bits): it still travels, 12 bytes."""
+    model = _policy("full")
+    ws0 = WeightSync(synced(model), None, 0, 64 << 10)
+    hit = [i for i in range(len(ws0.groups)) if i % 2 == 0]  # buckets changed whole
+    gen = torch.Generator().manual_seed(2)
+
+    def edit(params, v):
+        if v == 1:
+            for i, ks in enumerate(ws0.groups):
+                for k in ks:
+                    p = params[k]
+                    if i in hit:
+                        p.add_(1e-3)
+                    else:
+                        p.add_((torch.rand(p.shape, generator=gen) < 0.01).to(p.dtype))
+            params[ws0.groups[1][0]].view(-1)[0] = 0.0
+        if v == 2:
+            params[ws0.groups[1][0]].view(-1)[0] = -0.0
+    ws, stats = _sync(model, 64 << 10, True, ch, group, rank, edit)
+    assert ws.groups == ws0.groups and len(ws.groups) >= 4, len(ws.groups)
+    whole_bytes = sum(ws.group_bytes[i] for i in hit)
+    whole_elems = sum(ws.params[k].numel() for i in hit for k in ws.groups[i])
+    s = stats[1]
+    assert s.kind == "delta" and s.full_buckets == len(hit), s
+    assert s.bytes == whole_bytes + 12 * (s.changed - whole_elems), s
+    assert whole_elems < s.changed < whole_elems + 0.02 * (ws.numel - whole_elems), s
+    assert s.bytes < s.full_bytes, s
+    assert (stats[2].kind, stats[2].changed, stats[2].bytes, stats[2].full_buckets) == \
+        ("delta", 1, 12, 0), stats[2]
+
+
+def check_adapter_delta(rank, ch, group):
+    """Adapters under delta sync: every element changes at each version, so every bucket
+    goes whole and each sync moves exactly the adapters' size, never 3x it."""
+    model = _policy("adapter")
+
+    def edit(params, v):
+        for p in params:
+            p.add_(0.01 * (v + 1))
+    ws, stats = _sync(model, 256 << 10, True, ch, group, rank, edit)
+    assert [s.kind for s in stats] == ["full", "delta", "delta"]
+    assert [s.bytes for s in stats] == [ws.total_bytes] * 3
+    assert all(s.full_buckets == s.buckets == len(ws.groups) for s in stats)
 
 
 def check_idle_beats(rank, ch, group):

@@ -1,7 +1,8 @@
 """Separate pools on 2 ranks (rank 0 trains, rank 1 generates): weight sync bytes and
 exactness, a short async run's staleness bound and per-token versions read from
 metrics.jsonl, and SIGKILL of either role followed by --resume. On 3 ranks (2 training +
-1 rollout): the training pool's FSDP2 run against the 1 + 1 run, through a resume."""
+1 rollout): the training pool's FSDP2 run against the 1 + 1 run, through a resume, and its
+weight sync gathering one bucket at a time."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from orbitrl.distributed.roles import check_schedule
 from orbitrl.errors import OrbitError
 
 CHECKS = Path(__file__).with_name("pool_checks.py")
+SHARD_CHECKS = Path(__file__).with_name("shard_sync_checks.py")
 
 
 def test_bad_shapes_are_one_line_errors():
@@ -39,13 +41,26 @@ def test_bad_shapes_are_one_line_errors():
 
 def test_weight_sync_adapter_full_delta():
     """Adapter bytes == adapter size; full mode moves the model once per version in
-    several buckets; delta moves the changed elements only; both sides bit-equal. And the
+    several buckets; delta moves the changed elements only, bucket by bucket whichever of
+    delta and whole is smaller (never more than a full copy); both sides bit-equal. And the
     channel: an idle rollout rank outlives the timeout on beats, a silent leader does not."""
     res = launch.run([sys.executable, str(CHECKS), "adapter_bytes", "full_buckets",
-                      "full_delta", "idle_beats"], 2, TIMEOUT_S, env=rank_env())
+                      "full_delta", "bucket_choice", "adapter_delta", "idle_beats"], 2,
+                     TIMEOUT_S, env=rank_env())
     for r in res:
         assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
         assert "idle_beats ok" in r.stdout
+
+
+def test_sharded_sync_gathers_one_bucket_at_a_time():
+    """2 training ranks holding the policy as FSDP2 shards + 1 rollout rank, delta sync in
+    small buckets: at no point does a training rank hold more gathered bytes than one
+    bucket (every gathered tensor is watched, views included), the rollout rank ends
+    bit-equal at every version, and each sync moves at most a full copy."""
+    res = launch.run([sys.executable, str(SHARD_CHECKS)], 3, TIMEOUT_S, env=rank_env())
+    for r in res:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
+        assert f"rank {r.rank}: shard_sync ok" in r.stdout
 
 
 def pool_args(model, steps, *extra):

@@ -4,22 +4,28 @@ at a time.
 What moves is the list of ``(HF name, tensor)`` the policy trains (``synced``): the LoRA
 adapters in adapter mode (kilobytes to megabytes), every weight in full mode. Our module
 tree mirrors Hugging Face's, so the names are HF checkpoint names on both sides; both sides
-build the list from the same config, and the first sync checks the names agree.
+build the list from the same config, and each sync checks the names agree (a digest in the
+header).
 
-Full sync: the tensors are laid end to end in buckets of at most ``bucket_bytes`` (a
-tensor larger than a bucket travels alone) and broadcast from the leader over the sync
-group, at most two buckets in flight: the leader packs bucket i+2 only once bucket i is
-through, and the receiver unpacks each bucket as it lands. Delta sync: only the elements
-that differ from the last version sent travel, as (flat index, value) pairs, in the same
-bucketed, two-in-flight stream; the leader keeps a copy of what it last sent to compare
-against (one more copy of the trainable weights on the leader), and the first sync of a
-run is always full. The receiver applies a version between engine steps (the caller's
-business), never in the middle of one.
+The tensors are laid end to end in buckets of at most ``bucket_bytes`` (a tensor larger
+than a bucket travels alone) and broadcast from the leader over the sync group, at most two
+buckets in flight: the leader packs bucket i+2 only once bucket i is through, and the
+receiver unpacks each bucket as it lands. Full sync: every bucket's bytes. Delta sync
+(after the first sync of a run, which is full): each bucket goes as whichever encoding is
+smaller, its changed elements (flat index int64 + value: 12 bytes an element in fp32, so a
+bucket with more than a third of its elements changed goes whole) or its whole bytes, so a
+sync never moves more payload than a full copy; a 16-byte word ``[changed, bytes]`` ahead
+of each bucket tells the receiver which (control, like the header, not counted in
+``SyncStats.bytes``). "Changed" compares bits, so -0.0 against 0.0 or a NaN's payload
+travel too and the receiver ends bit-equal. The leader keeps a copy of what it last sent
+to compare against (one more copy of the trainable weights on the leader). The receiver
+applies a version between engine steps (the caller's business), never in the middle of one.
 
-A training pool of several ranks holds the tensors sharded (FSDP2 DTensors): before each
-send every training rank gathers them whole, tensor by tensor in the list's order (the
-leader in :meth:`WeightSync.send`, the others in :meth:`WeightSync.join`), so the stream is
-the one a single training rank sends.
+A training pool of several ranks holds the tensors sharded (FSDP2 DTensors): every training
+rank gathers them whole one bucket at a time, as the leader packs that bucket (the leader
+in :meth:`WeightSync.send`, the others in :meth:`WeightSync.join`, the same per-tensor
+all-gathers in the same order), so no rank holds more than one bucket of gathered tensors
+beside the two buffers in flight, and the stream is the one a single training rank sends.
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from orbitrl.model.dtensor import is_dtensor
+
 FULL, DELTA = 0, 1
+# "changed" compares bit patterns: an integer view of each element size
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def synced(model) -> list[tuple[str, torch.Tensor]]:
@@ -41,8 +51,6 @@ def synced(model) -> list[tuple[str, torch.Tensor]]:
 def whole(params) -> list[torch.Tensor]:
     """The tensors whole: a sharded one is all-gathered over its mesh (every rank of it
     must call this with the same list), a plain one is itself."""
-    from orbitrl.model.dtensor import is_dtensor
-
     with torch.no_grad():
         return [p.detach().full_tensor() if is_dtensor(p) else p.detach() for p in params]
 
@@ -71,39 +79,56 @@ def buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
 @dataclass
 class SyncStats:
     version: int
-    bytes: int
+    bytes: int  # payload bytes moved (bucket contents; the headers are control)
     seconds: float
     buckets: int
-    kind: str  # full | delta
-    changed: int = 0  # elements sent (delta) or in the model (full)
+    kind: str  # full | delta (a delta sync may still send some buckets whole)
+    changed: int = 0  # elements written on the receiver (changed ones, or whole buckets')
+    full_bytes: int = 0  # what a full copy of the same tensors takes
+    full_buckets: int = 0  # buckets sent whole
 
     def metrics(self) -> dict:
         return {"sync_version": self.version, "sync_bytes": self.bytes,
                 "time_sync_s": self.seconds, "sync_buckets": self.buckets,
-                "sync_delta": int(self.kind == "delta"), "sync_elements": self.changed}
+                "sync_delta": int(self.kind == "delta"), "sync_elements": self.changed,
+                "sync_full_bytes": self.full_bytes, "sync_buckets_full": self.full_buckets}
 
 
 class _Stream:
-    """Broadcasts (or receives) a list of host/device buffers, two in flight."""
+    """Broadcasts (or receives) a list of host/device buffers, two in flight. An empty
+    buffer (a delta bucket with nothing changed; both sides know its size) is not sent."""
 
-    def __init__(self, group, src: int, device):
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group, src: int):
+        self.group, self.src = group, src
 
     def run(self, make, take, count: int):
         """``make(i)`` -> buffer i to broadcast (the sender packs, the receiver allocates);
-        ``take(i, buf)`` after it landed."""
+        ``take(i, buf)`` after it landed. Bucket i is made once bucket i-2 landed (and
+        was dropped), so only bucket i-1's buffer is alive beside it."""
         flight = []
         for i in range(count):
             if len(flight) == 2:
-                j, buf, w = flight.pop(0)
-                w.wait()
-                take(j, buf)
-            buf = make(i)
-            flight.append((i, buf, td.broadcast(buf, self.src, group=self.group,
-                                                async_op=True)))
-        for j, buf, w in flight:
-            w.wait()
-            take(j, buf)
+                self._land(*flight.pop(0), take)
+            flight.append(self._post(i, make(i)))
+        while flight:
+            self._land(*flight.pop(0), take)
+
+    def _post(self, i: int, buf: torch.Tensor) -> tuple:
+        return i, buf, None if buf.numel() == 0 else td.broadcast(
+            buf, self.src, group=self.group, async_op=True)
+
+    @staticmethod
+    def _land(i: int, buf: torch.Tensor, work, take):
+        if work is not None:
+            work.wait()
+        take(i, buf)
+
+
+def _as(buf: torch.Tensor, dtype) -> torch.Tensor:
+    """Bytes ``buf`` (uint8 [n]) read as ``dtype``, copied first if misaligned for it."""
+    if buf.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+        buf = buf.clone()
+    return buf.view(dtype)
 
 
 class WeightSync:
@@ -114,7 +139,8 @@ class WeightSync:
         group: the sync group (the leader and the rollout ranks).
         src: the leader's global rank.
         bucket_bytes: the most bytes one bucket holds.
-        delta: send changed elements only (after the first, full, sync).
+        delta: after the first (full) sync, send each bucket as its changed elements when
+            that is smaller than the bucket.
     """
 
     def __init__(self, pairs, group, src: int, bucket_bytes: int, delta: bool = False):
@@ -124,8 +150,10 @@ class WeightSync:
         self.bucket_bytes = int(bucket_bytes)
         self.digest = name_digest(pairs)
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.sharded = any(is_dtensor(p) for p in self.params)
         self.sizes = [p.numel() * p.element_size() for p in self.params]
         self.groups = buckets(self.sizes, self.bucket_bytes)
+        self.group_bytes = [sum(self.sizes[k] for k in g) for g in self.groups]
         self.last: list[torch.Tensor] | None = None  # the leader's copy of the last version
         sizes = [p.numel() for p in self.params]
         self.offsets = torch.tensor([0] + sizes).cumsum(0)
@@ -139,113 +167,130 @@ class WeightSync:
         """What the next send is: full the first time (or without delta), delta after."""
         return DELTA if self.delta and self.last is not None else FULL
 
-    # ---- full ---------------------------------------------------------------------------
-    def _full(self, sending: list | None) -> int:
-        """``sending``: the leader's whole tensors (None: receive into ``self.params``)."""
-        def make(i):
-            if sending is None:
-                n = sum(self.sizes[k] for k in self.groups[i])
-                return torch.empty(n, dtype=torch.uint8, device=self.device)
-            return torch.cat([sending[k].reshape(-1).view(torch.uint8)
-                              for k in self.groups[i]])
+    def gather(self, i: int) -> list[torch.Tensor]:
+        """Bucket ``i``'s tensors whole and flat (row-major): a sharded one all-gathered
+        over the training pool (every training rank calls this for the same buckets in the
+        same order), a plain one a view of itself."""
+        return [t.reshape(-1) for t in whole([self.params[k] for k in self.groups[i]])]
 
-        def take(i, buf):
-            if sending is not None:
-                return
-            off = 0
-            for k in self.groups[i]:
-                p, n = self.params[k], self.sizes[k]
-                p.data.copy_(buf[off:off + n].view(p.dtype).view(p.shape))
-                off += n
-        _Stream(self.group, self.src, self.device).run(make, take, len(self.groups))
-        return len(self.groups)
-
-    # ---- delta --------------------------------------------------------------------------
-    def changed(self, params) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat indices, values) of the elements of ``params`` (whole) that differ from the
-        last version sent."""
-        idx, vals = [], []
-        for k, (p, old) in enumerate(zip(params, self.last)):
-            flat = p.detach().reshape(-1)
-            where = (flat != old).nonzero().squeeze(1)
-            idx.append(where + int(self.offsets[k]))
-            vals.append(flat[where])
-        return torch.cat(idx), torch.cat(vals)
-
-    def _delta_chunks(self, n: int, dtype) -> list[tuple[int, int]]:
-        per = max(1, self.bucket_bytes // (8 + torch.empty(0, dtype=dtype).element_size()))
-        return [(a, min(n, a + per)) for a in range(0, n, per)]
-
-    def _send_delta(self, idx, vals) -> int:
-        """Each chunk is one buffer: its indices (int64) then its values."""
-        chunks = self._delta_chunks(idx.numel(), vals.dtype)
-        _Stream(self.group, self.src, self.device).run(
-            lambda i: torch.cat([idx[chunks[i][0]:chunks[i][1]].view(torch.uint8),
-                                 vals[chunks[i][0]:chunks[i][1]].view(torch.uint8)]),
-            lambda i, b: None, len(chunks))
-        return len(chunks)
-
-    def _recv_delta(self, n: int) -> int:
-        dtype = self.params[0].dtype
-        es = torch.empty(0, dtype=dtype).element_size()
-        chunks = self._delta_chunks(n, dtype)
-
-        def make(i):
-            a, b = chunks[i]
-            return torch.empty((b - a) * (8 + es), dtype=torch.uint8, device=self.device)
-
-        def take(i, buf):
-            a, b = chunks[i]
-            self._apply(buf[:(b - a) * 8].view(torch.int64), buf[(b - a) * 8:].view(dtype))
-        _Stream(self.group, self.src, self.device).run(make, take, len(chunks))
-        return len(chunks)
-
-    def _apply(self, idx: torch.Tensor, vals: torch.Tensor):
-        """Write (flat index, value) pairs into the parameters (indices ascending)."""
-        which = torch.searchsorted(self.offsets.to(idx.device), idx, right=True) - 1
-        for k in which.unique().tolist():
-            sel, p = which == k, self.params[k].data
-            flat = idx[sel] - int(self.offsets[k])  # row-major, whatever p's strides
-            p[torch.unravel_index(flat, p.shape)] = vals[sel]
-
-    # ---- the two ends -------------------------------------------------------------------
-    def send(self, version: int, announce) -> SyncStats:
-        """Leader: announce the version to each rollout rank (``announce(kind, count)``
-        sends the header), then stream it. Returns what moved and how long it took."""
-        t0, kind = time.perf_counter(), self.kind()
-        params = whole(self.params)  # (a gather over the training pool when sharded)
+    # ---- the leader ---------------------------------------------------------------------
+    def _pack(self, i: int, kind: int, acc: list) -> torch.Tensor:
+        """Bucket ``i``'s buffer (uint8): its tensors' bytes end to end (full), or the
+        changed elements' flat indices (int64 [c]) then their values, tensor by tensor in
+        each one's dtype (delta), whichever is smaller; a delta bucket's ``[c, nbytes]``
+        (c = -1: whole) goes ahead of it on the sync group. ``acc``: [bytes, elements,
+        whole buckets] so far."""
+        flat, ks = self.gather(i), self.groups[i]
         if kind == DELTA:
-            idx, vals = self.changed(params)
-            announce(DELTA, idx.numel())
-            nb = self._send_delta(idx, vals)
-            moved, elems = idx.numel() * (8 + vals.element_size()), idx.numel()
-            for k, p in enumerate(params):  # what the receivers now hold
-                self.last[k].copy_(p.reshape(-1))
-        else:
-            announce(FULL, self.digest)
-            nb, moved, elems = self._full(params), self.total_bytes, self.numel
-            if self.delta:
-                self.last = [p.reshape(-1).clone() for p in params]
-        return SyncStats(version, moved, time.perf_counter() - t0, nb,
-                         "delta" if kind == DELTA else "full", elems)
+            where = [(f.view(_BITS[f.element_size()]) != self.last[k].view(
+                _BITS[f.element_size()])).nonzero().squeeze(1) for k, f in zip(ks, flat)]
+            c = sum(w.numel() for w in where)
+            n = sum(w.numel() * (8 + f.element_size()) for w, f in zip(where, flat))
+            whole_ = n >= self.group_bytes[i]
+            td.broadcast(torch.tensor([-1 if whole_ else c, self.group_bytes[i] if whole_
+                                       else n], device=self.device), self.src, self.group)
+            if not whole_:
+                idx = torch.cat([w + int(self.offsets[k]) for k, w in zip(ks, where)])
+                buf = torch.cat([idx.view(torch.uint8)] + [f[w].view(torch.uint8)
+                                                           for f, w in zip(flat, where)])
+                for k, f in zip(ks, flat):  # what the receivers now hold
+                    self.last[k].copy_(f)
+                acc[0], acc[1] = acc[0] + n, acc[1] + c
+                return buf
+        # a plain tensor alone is sent as itself (the send returns only once the stream is
+        # through); gathered ones are copied out, so they are freed as soon as packed
+        buf = flat[0].view(torch.uint8) if len(flat) == 1 and not self.sharded else \
+            torch.cat([f.view(torch.uint8) for f in flat])
+        if self.delta:
+            for k, f in zip(ks, flat):
+                if self.last[k] is None:
+                    self.last[k] = f.clone()
+                else:
+                    self.last[k].copy_(f)
+        acc[0] += self.group_bytes[i]
+        acc[1] += sum(f.numel() for f in flat)
+        acc[2] += 1
+        return buf
+
+    def send(self, version: int, announce) -> SyncStats:
+        """Leader: announce the version to each rollout rank (``announce(kind, digest)``
+        sends the header), then stream it bucket by bucket, each bucket gathered (when
+        sharded) only as it is packed: at most one bucket of gathered tensors at a time.
+        Returns what moved and how long it took."""
+        t0, kind = time.perf_counter(), self.kind()
+        announce(kind, self.digest)
+        if self.delta and self.last is None:
+            self.last = [None] * len(self.params)
+        acc = [0, 0, 0]
+        with torch.no_grad():
+            _Stream(self.group, self.src).run(lambda i: self._pack(i, kind, acc),
+                                              lambda i, b: None, len(self.groups))
+        return SyncStats(version, acc[0], time.perf_counter() - t0, len(self.groups),
+                         "delta" if kind == DELTA else "full", acc[1], self.total_bytes,
+                         acc[2])
 
     def join(self) -> None:
-        """A training rank other than the leader: its part of the leader's gathers (a
-        no-op when the tensors are not sharded)."""
-        whole(self.params)
+        """A training rank other than the leader: its part of the leader's gathers, bucket
+        by bucket as the leader packs them (a no-op when the tensors are not sharded)."""
+        for i in range(len(self.groups)):
+            self.gather(i)
+
+    # ---- a rollout rank -----------------------------------------------------------------
+    def _write(self, k: int, buf: torch.Tensor):
+        p = self.params[k]
+        p.data.copy_(_as(buf, p.dtype).view(p.shape))
+
+    def _apply(self, i: int, idx: torch.Tensor, vals: torch.Tensor):
+        """Write bucket ``i``'s (flat index, value) pairs (indices ascending; ``vals`` the
+        values' bytes, tensor by tensor) into the parameters."""
+        which = torch.searchsorted(self.offsets.to(idx.device), idx, right=True) - 1
+        off = 0
+        for k in self.groups[i]:
+            sel = which == k
+            m = int(sel.sum())
+            if not m:
+                continue
+            p = self.params[k].data
+            n = m * p.element_size()
+            flat = idx[sel] - int(self.offsets[k])  # row-major, whatever p's strides
+            p[torch.unravel_index(flat, p.shape)] = _as(vals[off:off + n], p.dtype)
+            off += n
 
     def receive(self, version: int, kind: int, count: int) -> SyncStats:
         """Rollout rank: take the version the header announced (``count``: the names'
-        digest for a full sync, the element count for a delta)."""
+        digest)."""
+        if count != self.digest:
+            raise RuntimeError("weight sync: the rollout rank's trainable tensors differ "
+                               "from the trainer's (names, shapes or dtypes)")
         t0 = time.perf_counter()
-        with torch.no_grad():
-            if kind == FULL:
-                if count != self.digest:
-                    raise RuntimeError("weight sync: the rollout rank's trainable tensors "
-                                       "differ from the trainer's (names, shapes or dtypes)")
-                nb, moved, elems = self._full(None), self.total_bytes, self.numel
+        plan: dict[int, int] = {}  # bucket -> changed elements (-1: whole)
+        acc = [0, 0, 0]
+
+        def make(i):
+            n = self.group_bytes[i]
+            if kind == DELTA:
+                head = torch.empty(2, dtype=torch.int64, device=self.device)
+                td.broadcast(head, self.src, self.group)
+                plan[i], n = head.tolist()
             else:
-                nb = self._recv_delta(count)
-                moved, elems = count * (8 + self.params[0].element_size()), count
-        return SyncStats(version, moved, time.perf_counter() - t0, nb,
-                         "delta" if kind == DELTA else "full", elems)
+                plan[i] = -1
+            acc[0] += n
+            return torch.empty(n, dtype=torch.uint8, device=self.device)
+
+        def take(i, buf):
+            c = plan.pop(i)
+            if c >= 0:
+                self._apply(i, buf[:8 * c].view(torch.int64), buf[8 * c:])
+                acc[1] += c
+                return
+            off = 0
+            for k in self.groups[i]:
+                self._write(k, buf[off:off + self.sizes[k]])
+                off += self.sizes[k]
+            acc[1] += sum(self.params[k].numel() for k in self.groups[i])
+            acc[2] += 1
+        with torch.no_grad():
+            _Stream(self.group, self.src).run(make, take, len(self.groups))
+        return SyncStats(version, acc[0], time.perf_counter() - t0, len(self.groups),
+                         "delta" if kind == DELTA else "full", acc[1], self.total_bytes,
+                         acc[2])
