@@ -4,6 +4,7 @@ works here (bwrap, and the unshare fallback forced by config). How long the kill
 measured by benchmarks/bench_sandbox.py; a hang fails through tests/conftest.py's limit."""
 
 import contextlib
+import ctypes
 import os
 import shutil
 import socket
@@ -15,7 +16,8 @@ import pytest
 from orbitrl.config import SandboxSection
 from orbitrl.rewards.code import CodeReward
 from orbitrl.rewards.sandbox import Job, Sandbox
-from sandbox_util import BACKENDS, LIMITS, sandbox
+from sandbox_util import (BACKENDS, CAPS, LIMITS, SYSV_PROBE, SYSV_REFUSED, VARIANTS,
+                          fill_three, sandbox, sandbox_of_its_own, sysv_fill, variant)
 
 SECRET = "orbitrl-secret-7f3a9c"
 TEST = [{"input": "", "output": "42\n"}]
@@ -77,11 +79,17 @@ def _hostile(planted, listener):
                         "except OSError:\n    pass\nprint('alive')",
                         {"runtime_error", "wrong", "signal"}),
         "missing_module": ("import no_such_module_orbitrl\nprint(42)", {"runtime_error"}),
-        # shared memory no address space counts: a memfd, detached SysV segments, /dev/shm
+        # shared memory no address space counts: a memfd, detached SysV segments (refused:
+        # the attach fails), /dev/shm
         "memfd_1gb": ("import os\nfds = []\nfor _ in range(56):\n    fd = os.memfd_create('x')"
                       "\n    for _ in range(7):\n        os.write(fd, b'x' * 2**20)\n"
                       "    fds.append(fd)\nprint(42)", {"memory", "time_limit"}),
-        "sysv_shm_1gb": (SYSV_FILL, {"memory", "time_limit"}),
+        "sysv_shm_1gb": (sysv_fill(8, 200), {"runtime_error"}),
+        # 256 MB in segments that each fit the address-space limit: all outside it at the end
+        "sysv_shm_256mb": (sysv_fill(4, 64), {"runtime_error"}),
+        # one file budget: half of it in the work dir, all of it in /tmp and in /dev/shm
+        # (each file within file_mb); what fits in one of them does not fit in all three
+        "files_3_mounts": (fill_three(LIMITS["file_mb"]) + "print(42)", {"file_limit"}),
         "dev_shm_fill": ("b = b'x' * 2**20\nfor i in range(64):\n"
                          "    with open(f'/dev/shm/f{i}', 'wb') as f:\n        f.write(b * 15)\n"
                          "print(42)", {"file_limit", "runtime_error", "memory"}),
@@ -117,17 +125,11 @@ def _gone(uids, within_s=5.0):
     return True
 
 
-SYSV_FILL = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
-             "for _ in range(8):\n    sid = libc.shmget(0, 200 * 2**20, 0o1600)\n"
-             "    addr = libc.shmat(sid, None, 0)\n    assert addr not in (None, 2**64 - 1)\n"
-             "    ctypes.memset(addr, 1, 200 * 2**20)\n    libc.shmdt(ctypes.c_void_p(addr))\n"
-             "print(42)")
-
 NAMES = ["read_file", "write_outside", "socket", "fork_bomb", "infinite_loop", "alloc_20gb",
          "write_10gb", "print_1gb", "kill_parent", "missing_module", "memfd_1gb",
-         "sysv_shm_1gb", "dev_shm_fill", "write_root"]
-# without a memory cgroup, pages in shared memory are not bounded (docs/sandbox.md)
-NEEDS_CGROUP = {"memfd_1gb", "sysv_shm_1gb"}
+         "sysv_shm_1gb", "sysv_shm_256mb", "dev_shm_fill", "files_3_mounts", "write_root"]
+# without a memory cgroup, pages in memfds are not bounded (docs/sandbox.md)
+NEEDS_CGROUP = {"memfd_1gb"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,24 +239,117 @@ def test_no_new_privileges(backend):
     assert (res.status, res.stdout) == ("ok", b"1\n")
 
 
-def _shm_segments() -> int:
-    with open("/proc/sysvipc/shm") as f:
-        return len(f.read().splitlines()) - 1
+@contextlib.contextmanager
+def no_new_shm_segments(box):
+    """The host gains no SysV segment of the sandbox's uids (the slot uids, or this user's);
+    any it gained is removed: a segment outlives its creator, so a regression must not leave
+    them behind."""
+    uids = (set(range(box.cfg.uid_base, box.cfg.uid_base + box.workers)) if box.as_root
+            else {os.geteuid()})
+
+    def ids():
+        with open("/proc/sysvipc/shm") as f:  # key shmid perms size cpid lpid nattch uid gid cuid
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        return {int(r[1]) for r in rows if int(r[9]) in uids}
+
+    before = ids()
+    try:
+        yield
+    finally:
+        new = ids() - before
+        for shmid in new:
+            ctypes.CDLL(None).shmctl(shmid, 0, None)  # IPC_RMID
+    assert not new, f"the host gained SysV segments {sorted(new)}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ipc_is_private_to_one_run(backend):
-    """A SysV segment one program leaves behind is gone for the next (same slot uid), and
-    never reaches the host."""
+    """A POSIX message queue one program leaves behind is gone for the next (same slot uid),
+    and never reaches the host: each run has an IPC namespace of its own (SysV IPC, the other
+    kind, is refused outright: test_sysv_ipc_is_refused)."""
+    box = sandbox(backend, workers=1)
+    lib = "import ctypes, os\nl = ctypes.CDLL(None, use_errno=True)\n"
+    put = box.run(Job(lib + "q = l.mq_open(b'/orbitrl-q', os.O_CREAT | os.O_RDWR, 0o600, None)"
+                            "\nprint(q >= 0 and l.mq_send(q, b'leaked', 6, 0) == 0)"))
+    get = box.run(Job(lib + "print(l.mq_open(b'/orbitrl-q', os.O_RDONLY), ctypes.get_errno())"))
+    assert (put.stdout, get.stdout) == (b"True\n", b"-1 2\n"), (put, get)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mq_open(b"/orbitrl-q", os.O_RDONLY) == -1 and ctypes.get_errno() == 2
+
+
+@pytest.mark.parametrize("cgroup", ["as made here", "none"])
+@pytest.mark.parametrize("backend", VARIANTS + ["rlimits"])
+def test_sysv_ipc_is_refused(backend, cgroup):
+    """256 MB of SysV shared memory lived outside RLIMIT_AS, bounded only by a memory
+    cgroup; now every SysV IPC call fails with ENOSYS (a seccomp filter the harness
+    installs), with a cgroup or without one, on every backend (rlimits too, where the
+    program shares the host's IPC namespace). The host gains no segment."""
+    box = variant(backend)
+    if cgroup == "none":
+        as_root = box.as_root
+        box = sandbox_of_its_own(box.backend)
+        box.as_root = as_root
+        if box.cgroups is not None:
+            box.cgroups.close()
+        box.cgroups = None
+    elif box.cgroups is None:
+        pytest.skip("no memory cgroup can be made here")
+    with no_new_shm_segments(box):
+        assert box.run(Job(SYSV_PROBE)).stdout == SYSV_REFUSED
+        res = box.run(Job(sysv_fill(4, 64)))
+        assert res.status == "runtime_error" and b"AssertionError" in res.stderr, res
+
+
+# the i386 ABI (int 0x80) from a 64-bit process: eax = 117 (ipc), ebx = 23 (SHMGET), ecx = 0
+# (IPC_PRIVATE), edx = 4096 bytes, esi = IPC_CREAT | 0600; returns eax
+I386_SHMGET = (
+    "import ctypes, mmap\n"
+    "code = bytes([0x53, 0xb8, 117, 0, 0, 0, 0xbb, 23, 0, 0, 0, 0x31, 0xc9, 0xba, 0, 0x10, 0, 0,"
+    " 0xbe, 0x80, 0x03, 0, 0, 0xcd, 0x80, 0x5b, 0xc3])\n"
+    "m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "m.write(code)\n"
+    "print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sysv_ipc_is_refused_through_another_abi(backend):
+    """The i386 system call ABI (int 0x80 from machine code the program writes) is another
+    way to the same SysV calls: every call of another ABI fails with ENOSYS."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the i386 ABI is an x86_64 matter")
     box = sandbox(backend)
-    before = _shm_segments()
-    put = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
-           "sid = libc.shmget(0x5151, 4096, 0o1666)\naddr = libc.shmat(sid, None, 0)\n"
-           "ctypes.memmove(addr, b'leaked', 6)\nprint(sid >= 0)")
-    assert box.run(Job(put)).stdout == b"True\n"
-    get = "import ctypes\nprint(ctypes.CDLL(None).shmget(0x5151, 0, 0))"
-    assert box.run(Job(get)).stdout == b"-1\n"
-    assert _shm_segments() == before
+    with no_new_shm_segments(box):
+        res = box.run(Job(I386_SHMGET))
+        assert (res.status, res.stdout) == ("ok", b"-38\n"), res
+
+
+@pytest.mark.parametrize("backend", VARIANTS)
+def test_the_program_has_no_capabilities(backend):
+    """The harness needs capabilities to mount the file budget (bwrap lends it CAP_SYS_ADMIN
+    and CAP_SETPCAP; the fallback runs it as root, of the host or of a user namespace); the
+    program has none (and, on bwrap, none left to gain)."""
+    res = variant(backend).run(Job(CAPS))
+    assert res.status == "ok", res
+    caps = eval(res.stdout)
+    assert caps["CapEff"] == caps["CapPrm"] == caps["CapInh"] == caps["CapAmb"] == 0, caps
+    if backend == "bwrap":
+        assert caps["CapBnd"] == 0, caps
+
+
+@pytest.mark.parametrize("backend", VARIANTS)
+def test_files_share_one_budget(backend):
+    """The program that wrote 40 MB against file_mb 16 (8 MB in its work dir, 16 MB in /tmp,
+    16 MB in /dev/shm, when each mount had its own cap) gets 16 MB in all; all of the budget
+    is usable (less main.py's page); the next program starts with an empty one."""
+    box = variant(backend, file_mb=16)
+    res = box.run(Job(fill_three(16, catch=True)))
+    assert res.status == "ok", res
+    got = eval(res.stdout)
+    assert got[0] == 8 << 20 and (15 << 20) < sum(got) <= 16 << 20, got
+    res = box.run(Job("import os\nst = os.statvfs('.')\n"
+                      "print(os.listdir('.'), os.listdir('/tmp'), os.listdir('/dev/shm'), "
+                      "st.f_bfree * st.f_frsize >> 20)"))
+    assert res.stdout == b"['main.py'] [] [] 15\n", res
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -291,25 +386,25 @@ def test_task_answers_are_not_readable_inside(backend):
     assert (res.status, res.stdout) == ("ok", b"False\n")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_every_writable_mount_is_capped(backend):
-    """Each writable tmpfs the program can reach has a size no larger than file_mb (the
-    root and /dev of bwrap read-only once built); the host's are covered on the fallback
-    (a covered mount is still listed, but its path leads to the cover)."""
-    box = sandbox(backend)
+@pytest.mark.parametrize("backend", VARIANTS)
+def test_every_writable_mount_is_one_budget(backend):
+    """Every writable tmpfs the program can reach, and its work dir, are one file system
+    (bind mounts of one tmpfs: one device) of file_mb in all; bwrap's root and /dev are
+    read-only once built, and the host's tmpfs are covered on the fallback (a covered mount
+    is still listed, but its path leads to the cover)."""
+    box = variant(backend)
     res = box.run(Job(
         "import os\ntop = {}\nfor line in open('/proc/self/mounts'):\n"
         "    dev, mnt, fs, opts = line.split()[:4]\n    top[mnt] = (fs, opts.split(','))\n"
-        "for mnt, (fs, opts) in top.items():  # the last mount on a path is the one seen\n"
-        "    if fs == 'tmpfs' and 'rw' in opts and os.path.ismount(mnt):\n"
-        "        print(mnt, [o for o in opts if o.startswith('size=')])"))
-    assert res.status == "ok"
-    cap = box.cfg.file_mb << 10  # in KiB, as mounts print it
-    for line in res.stdout.decode().splitlines():
-        mnt, size = line.split(" ", 1)
-        assert "size=" in size, f"{mnt}: writable without a size cap"
-        kib = int(size.split("size=")[1].split("k")[0])
-        assert kib <= cap, f"{mnt}: {kib} KiB > {cap} KiB"
+        "seen = [m for m, (fs, opts) in top.items()  # the last mount on a path is the one seen\n"
+        "        if fs == 'tmpfs' and 'rw' in opts and os.path.ismount(m)]\n"
+        "for m in seen + ['.']:\n"
+        "    st = os.statvfs(m)\n    print(m, os.stat(m).st_dev, st.f_blocks * st.f_frsize)"))
+    assert res.status == "ok", res
+    rows = [line.split() for line in res.stdout.decode().splitlines()]
+    assert {m for m, _, _ in rows} >= {".", "/tmp", "/dev/shm"}, rows
+    assert len({dev for _, dev, _ in rows}) == 1, f"more than one writable file system: {rows}"
+    assert {int(size) for _, _, size in rows} == {box.cfg.file_mb << 20}, rows
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -355,3 +450,60 @@ def test_fallback_covers_cannot_be_unmounted(as_root):
     assert res.status == "ok", res
     codes, visible = res.stdout.decode().splitlines()
     assert set(eval(codes)) == {-1} and visible == "False"
+
+
+# runs as a normal user: makes a sandbox (argv[1]: its config), runs programs (argv[2]:
+# name -> source), prints name -> [status, stdout] as JSON, or {"skip": why}
+AS_USER = """
+import json, sys
+try:
+    from orbitrl.config import SandboxSection
+    from orbitrl.errors import OrbitError
+    from orbitrl.rewards.sandbox import Job, Sandbox
+except ImportError as e:
+    print(json.dumps({"skip": "orbitrl does not import as a normal user here: %s" % e}))
+    raise SystemExit
+try:
+    box = Sandbox(SandboxSection(**json.loads(sys.argv[1])))
+except OrbitError as e:
+    print(json.dumps({"skip": str(e)}))
+    raise SystemExit
+out = {"as_root": box.as_root}
+for name, source in json.loads(sys.argv[2]).items():
+    res = box.run(Job(source))
+    out[name] = [res.status, res.stdout.decode()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounds_hold_for_a_normal_user(backend):
+    """Without root there is no slot uid and no memory cgroup (unless delegated), and the
+    fallback's harness runs as root of a user namespace: the file budget, the SysV refusal
+    and the capability drop hold all the same. Run as uid 65534 through setpriv, with the
+    interpreter the sandbox uses (when root, one that others can run)."""
+    import json
+    import subprocess
+
+    import orbitrl
+
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to become a normal user")
+    python = sandbox(backend).python.executable
+    cfg = {**LIMITS, "backend": backend, "file_mb": 16}
+    programs = {"files": fill_three(16, catch=True), "sysv": SYSV_PROBE, "caps": CAPS}
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", AS_USER,
+         json.dumps(cfg), json.dumps(programs)], capture_output=True, cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/",
+             "PYTHONPATH": os.path.dirname(os.path.dirname(orbitrl.__file__))})
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    got = json.loads(out.stdout)
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert got["as_root"] is False
+    status, files = got["files"]
+    assert status == "ok" and (15 << 20) < sum(eval(files)) <= 16 << 20, got
+    assert got["sysv"] == ["ok", SYSV_REFUSED.decode()], got
+    caps = eval(got["caps"][1])
+    assert caps["CapEff"] == caps["CapPrm"] == caps["CapAmb"] == 0, caps

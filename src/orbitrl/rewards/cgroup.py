@@ -8,7 +8,8 @@ it the kernel's OOM killer ends the program inside the cgroup, and the run is re
 ``memory``. The cgroups are made under this process's own (cgroup v2 ``memory.max``, or the
 v1 memory controller's ``memory.limit_in_bytes``) and removed when the sandbox goes.
 Where neither is writable (an unprivileged user, a container without delegation) there is
-no cgroup and docs/sandbox.md names the gap.
+no cgroup; the sandbox still bounds tmpfs files by its one file budget (``file_mb``) and
+refuses SysV IPC (sandbox.py), which leaves memfds, the gap docs/sandbox.md names.
 
 A program enters its slot's cgroup before it starts: the launch command is wrapped in
 ``sh -c 'echo $$ > cgroup.procs && exec "$@"'``, so nothing it forks escapes and there is
@@ -25,12 +26,13 @@ _IDS = itertools.count()  # several sandboxes in one process get distinct cgroup
 
 _V2 = "/sys/fs/cgroup"
 _V1 = "/sys/fs/cgroup/memory"
+_SELF = "/proc/self/cgroup"  # this process's cgroups (the three paths: module-level for tests)
 
 
 def _own(controller_root: str, v2: bool) -> str | None:
     """This process's cgroup directory under ``controller_root``, or None."""
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(_SELF) as f:
             lines = f.read().splitlines()
     except OSError:
         return None

@@ -6,14 +6,21 @@ file size and processes. The isolation comes from one of three backends:
 
 - ``bwrap`` (bubblewrap): new user, pid, network, ipc, uts and cgroup namespaces; a root
   file system holding only the interpreter, its standard library and the system libraries
-  (read-only), a private size-capped tmpfs for /tmp and for the working directory, /dev with
-  the usual null/zero/urandom nodes. Nothing else of the host is visible.
-- ``unshare`` (fallback when bwrap is missing): new network and pid namespaces, a private
-  working directory on the host disk, an unprivileged uid when started as root. The file
-  system is the host's: the program can read what Unix permissions let its uid read and
-  write world-writable places (/tmp, /dev/shm). See docs/sandbox.md.
+  (read-only), /dev with the usual null/zero/urandom nodes. Nothing else of the host is
+  visible.
+- ``unshare`` (fallback when bwrap is missing): new network, pid, ipc and mount namespaces,
+  an unprivileged uid when started as root. The file system is the host's: the program can
+  read what Unix permissions let its uid read; the host's world-writable and socket
+  directories (/tmp, /var/tmp, /dev/shm, /run) are covered. See docs/sandbox.md.
 - ``rlimits``: limits and the uid only, no namespaces (no network isolation); never chosen
   by ``auto``.
+
+On bwrap and unshare everything the program can write is one budget: a single tmpfs of
+``file_mb`` (and one inode per KiB of it) that the harness mounts on the working directory,
+with directories on it bind-mounted on /tmp and /dev/shm (and, on the fallback, /var/tmp
+and /run), so all of them together hold at most ``file_mb``; ``RLIMIT_FSIZE`` also caps
+each file. SysV IPC (shared memory segments, message queues, semaphores: kernel memory that
+no address space counts) is refused by a seccomp filter on every backend.
 
 Why a separate uid: RLIMIT_NPROC is counted per user and ignored for root, so a fork bomb
 is only bounded when the program runs as an unprivileged uid. Each worker slot gets its own
@@ -35,12 +42,14 @@ printing a gigabyte costs at most that much host memory.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -57,42 +66,83 @@ from orbitrl.rewards.procpool import Launch, RunResult, run_pool
 EXIT_MEMORY = 86
 MARKER = b"\x1e"
 
-# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1), the
-# directories to cover (fallback: "tmp" ones get a private size-capped tmpfs, "hide" ones an
-# empty read-only one; JSON), and for an assert test the JSON list of probes
-# (rewards/probes.py). As init it forks the program and reports its status the way a shell
-# does (128 + signal). The marker byte goes out once the sandbox is set up.
+# argv: uid (-1 = keep), nproc, cpu_s, as_bytes, fsize, nofile, fork_if_init (0/1), the file
+# system to set up (JSON: "hide", directories covered by an empty read-only tmpfs; "tmp",
+# directories that become writable; "newns", whether to make a mount namespace first, as
+# bwrap's harness must), the seccomp program refusing SysV IPC (hex, or empty), and for an
+# assert test the JSON list of probes (rewards/probes.py). Writable places share one tmpfs
+# of fsize bytes (the budget), mounted on the work dir: the work dir and each "tmp" directory
+# are bind mounts of directories on it. As init it forks the program and reports its status
+# the way a shell does (128 + signal). The marker byte goes out once the sandbox is set up.
 _HARNESS = r"""
 import os, sys, ctypes, resource as R, json as _json
 uid, nproc, cpu, mem, fsize, nofile, fork = map(int, sys.argv[1:8])
-_cover = _json.loads(sys.argv[8])
-_probes = _json.loads(sys.argv[9]) if len(sys.argv) > 9 else None
+_fs = _json.loads(sys.argv[8])
+_filter = bytes.fromhex(sys.argv[9])
+_probes = _json.loads(sys.argv[10]) if len(sys.argv) > 10 else None
 RECORD = %r
 _libc = ctypes.CDLL(None, use_errno=True)
-for _kind, _dirs in sorted(_cover.items()):  # "hide" first: a hidden dir may be in /tmp
-    for _d in _dirs:
-        _opts = ("size=%%d,mode=1777" %% fsize) if _kind == "tmp" else "size=4k,mode=0555"
-        if _libc.mount(b"tmpfs", _d.encode(), b"tmpfs", 1 if _kind == "hide" else 0,
-                       _opts.encode()) != 0:
-            os.write(2, ("cannot mount a tmpfs on %%s: %%s\n" %% (
-                _d, os.strerror(ctypes.get_errno()))).encode())
-            os._exit(70)
-if uid < 0 and any(_cover.values()) and os.geteuid() == 0:
-    # no uid to drop to (the fallback without root runs as root of its user namespace):
-    # a nested user + mount namespace locks the covers (they cannot be unmounted, nor
-    # bind-mounted away), then every capability goes
-    if _libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
-        os.write(2, ("cannot lock the covers: %%s\n" %% os.strerror(ctypes.get_errno())).encode())
-        os._exit(72)
+def _fail(code, what):
+    os.write(2, ("%%s: %%s\n" %% (what, os.strerror(ctypes.get_errno()))).encode())
+    os._exit(code)
+def _mount(src, dst, fstype, flags, opts):
+    if _libc.mount(src, dst.encode(), fstype, flags, opts) != 0:
+        _fail(70, "cannot mount on %%s" %% dst)
+def _drop_caps():
     for _cap in range(64):
         _libc.prctl(24, _cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails harmlessly past the last)
     _hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     if _libc.capset(_hdr, (ctypes.c_uint32 * 6)()) != 0:
-        os.write(2, b"cannot drop capabilities\n")
-        os._exit(72)
+        _fail(72, "cannot drop capabilities")
+if _fs.get("newns") and _libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+    _fail(70, "cannot make a mount namespace")
+_tmp, _hide = _fs.get("tmp", []), _fs.get("hide", [])
+if _tmp:
+    with open("main.py", "rb") as f:
+        _src = f.read()
+    _work = os.getcwd()
+    # the budget: one tmpfs (nosuid, nodev; one inode per KiB) on the work dir, whose
+    # directory "w" becomes the work dir first, while the path still leads there (a cover
+    # below may hide it); the bind sources below are relative to the budget's root
+    _mount(b"tmpfs", _work, b"tmpfs", 6,
+           ("size=%%d,nr_inodes=%%d,mode=0755" %% (fsize, max(64, fsize >> 10))).encode())
+    _root = os.open(_work, os.O_RDONLY | os.O_DIRECTORY)
+    os.fchdir(_root)
+    os.mkdir("w", 0o700)
+    if uid >= 0 and os.geteuid() == 0:
+        os.chown("w", uid, uid)
+    _mount(b"w", _work, None, 4096, None)  # MS_BIND
+    _wd = os.open(_work, os.O_RDONLY | os.O_DIRECTORY)
+for _d in _hide:  # before the tmp dirs: a hidden dir may be in /tmp
+    _mount(b"tmpfs", _d, b"tmpfs", 1, b"size=4k,mode=0555")
+if _tmp:
+    for _k, _d in enumerate(_tmp):
+        os.mkdir("t%%d" %% _k)
+        os.chmod("t%%d" %% _k, 0o1777)
+        _mount(b"t%%d" %% _k, _d, None, 4096, None)
+    os.fchdir(_wd)
+    os.close(_root); os.close(_wd)
+    with open("main.py", "wb") as f:
+        f.write(_src)
+    if uid >= 0 and os.geteuid() == 0:
+        os.chown("main.py", uid, uid)
+if uid < 0 and (_tmp or _hide) and os.geteuid() == 0:
+    # no uid to drop to (the fallback without root runs as root of its user namespace):
+    # a nested user + mount namespace locks the mounts (they cannot be unmounted, nor
+    # bind-mounted away), then every capability goes
+    if _libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
+        _fail(72, "cannot lock the covers")
+    _drop_caps()
+elif _fs.get("newns"):  # bwrap lent the harness CAP_SYS_ADMIN and CAP_SETPCAP for the mounts
+    _drop_caps()
 if _libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries gain nothing
     os.write(2, b"cannot set no_new_privs\n")
     os._exit(71)
+if _filter:  # SysV IPC refused (and any other syscall ABI): PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+    if _libc.prctl(22, 2, ctypes.byref(_Prog(len(_filter) // 8, _filter)), 0, 0) != 0:
+        _fail(73, "cannot install the seccomp filter")
 os.write(2, b"\x1e")
 if fork and os.getpid() == 1:
     pid = os.fork()
@@ -109,7 +159,7 @@ for k, v in ((R.RLIMIT_CPU, (cpu, cpu + 1)), (R.RLIMIT_AS, (mem, mem)),
              (R.RLIMIT_FSIZE, (fsize, fsize)), (R.RLIMIT_NOFILE, (nofile, nofile)),
              (R.RLIMIT_NPROC, (nproc, nproc)), (R.RLIMIT_CORE, (0, 0))):
     R.setrlimit(k, v)
-del uid, nproc, cpu, mem, fsize, nofile, fork, k, v, R, _cover, _libc
+del uid, nproc, cpu, mem, fsize, nofile, fork, k, v, R, _fs, _tmp, _hide, _filter, _libc
 sys.argv = ["main.py"]
 with open("main.py", "rb") as f:
     src = f.read()
@@ -206,8 +256,10 @@ class Sandbox:
                    str(uid), str(c.max_procs), str(max(1, math.ceil(c.time_limit_s))),
                    str(c.memory_mb << 20), str(c.file_mb << 20), str(c.open_files)]
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LC_ALL": "C.UTF-8"}
-        cover = json.dumps(self.cover if backend == "unshare" else {})
-        tail = [cover] + ([] if job.probes is None else [json.dumps(list(job.probes))])
+        fs = {"bwrap": {"tmp": list(_BWRAP_TMP), "newns": True},
+              "unshare": self.cover}.get(backend, {})
+        tail = [json.dumps(fs), _SYSV_FILTER.hex()] + (
+            [] if job.probes is None else [json.dumps(list(job.probes))])
         cg = self.cgroups
         enter = (lambda argv: cg.wrap(slot, argv)) if cg else (lambda argv: argv)
         ooms = cg.oom_kills(slot) if cg else 0
@@ -255,13 +307,13 @@ class Sandbox:
         return Launch(proc, cleanup, wrapped=backend != "rlimits", explain=explain)
 
     def _bwrap_argv(self, prog_fd: int, uid: int) -> list[str]:
-        c = self.cfg
-        size = str(c.file_mb << 20)
         argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
                 "--die-with-parent", "--new-session", "--clearenv", "--as-pid-1",
                 "--setenv", "PYTHONHASHSEED", "0", "--setenv", "LC_ALL", "C.UTF-8"]
         if uid >= 0:
             argv += ["--uid", str(uid), "--gid", str(uid)]
+        # for the harness only, which mounts the file budget and drops them (_HARNESS)
+        argv += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
         for d in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib32", "/lib32"):
             if os.path.islink(d):
                 argv += ["--symlink", os.readlink(d), d]
@@ -271,11 +323,11 @@ class Sandbox:
             argv += ["--ro-bind", d, d]
         for d in self.python.hidden:  # empty and read-only
             argv += ["--size", "4096", "--tmpfs", d, "--remount-ro", d]
-        # every writable mount is size-capped: /tmp, the work dir and /dev/shm at file_mb;
-        # the root and /dev (bwrap's own tmpfs) are read-only once built
+        # the root and /dev (bwrap's own tmpfs) are read-only once built; the harness mounts
+        # the one writable tmpfs (file_mb) on /sandbox, and binds its directories on /tmp and
+        # /dev/shm (which --dev makes)
         argv += ["--ro-bind", self.python.executable, self.python.executable,
-                 "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--proc", "/proc",
-                 "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/sandbox",
+                 "--dev", "/dev", "--proc", "/proc", "--dir", "/tmp", "--dir", "/sandbox",
                  "--file", str(prog_fd), "/sandbox/main.py", "--chdir", "/sandbox",
                  "--remount-ro", "/dev", "--remount-ro", "/", "--"]
         return argv
@@ -292,7 +344,10 @@ def _warn_once(box: "Sandbox") -> None:
                     f"(world-readable files, including datasets outside the run's working "
                     f"directory; unix sockets outside /tmp and /run)")
     if box.cgroups is None:
-        gaps.append("no memory cgroup, so shared memory is not bounded by memory_mb")
+        gaps.append("no memory cgroup, so memfds are not bounded by memory_mb")
+        if not _SYSV_FILTER:
+            gaps.append(f"SysV IPC is not refused on this machine ({os.uname().machine}), "
+                        f"so SysV shared memory is not bounded")
     for gap in gaps:
         if gap not in _WARNED:
             _WARNED.add(gap)
@@ -348,6 +403,39 @@ def _memfile(data: bytes) -> int:
     return fd
 
 
+# SysV IPC holds kernel memory that no address space counts (a 256 MB segment left detached,
+# message queues, semaphore sets), and the programs never need it: every SysV IPC call fails
+# with ENOSYS (as on a kernel built without it). machine -> (AUDIT_ARCH_*, the calls: shmget
+# shmat shmctl shmdt msgget msgsnd msgrcv msgctl semget semop semctl semtimedop).
+_SYSV_CALLS = {
+    "x86_64": (0xC000003E, (29, 30, 31, 67, 68, 69, 70, 71, 64, 65, 66, 220)),
+    "aarch64": (0xC00000B7, tuple(range(186, 198))),  # the generic syscall table
+    "riscv64": (0xC00000F3, tuple(range(186, 198))),
+}
+
+
+def _sysv_filter(machine: str) -> bytes:
+    """A seccomp program (``struct sock_filter[]``) that makes every SysV IPC call fail with
+    ENOSYS, and every call of another ABI (i386's ``int 0x80``, x32) too, so the IPC calls
+    cannot be reached by another number; b"" for a machine not in ``_SYSV_CALLS``."""
+    if machine not in _SYSV_CALLS:
+        return b""
+    arch, calls = _SYSV_CALLS[machine]
+    deny, allow = 0x00050000 | errno.ENOSYS, 0x7FFF0000  # SECCOMP_RET_ERRNO, _ALLOW
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, BPF_RET
+    body = [(jge, 0x40000000)] if machine == "x86_64" else []  # the x32 ABI
+    body += [(jeq, nr) for nr in calls]
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0)]
+    # a match jumps over the rest of the body and the allow, to the deny
+    prog += [(op, len(body) - i, 0, k) for i, (op, k) in enumerate(body)]
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+_SYSV_FILTER = _sysv_filter(os.uname().machine)
+_BWRAP_TMP = ("/tmp", "/dev/shm")  # bwrap's writable places besides the work dir
+
+
 def _unshare_prefix(as_root: bool) -> list[str]:
     """unshare(1): new network, pid (with its own /proc), IPC and mount namespaces; without
     root, a user namespace too. In the mount namespace the harness covers the host's
@@ -357,10 +445,11 @@ def _unshare_prefix(as_root: bool) -> list[str]:
 
 
 def _fallback_cover(python: _Python) -> dict[str, list[str]]:
-    """Directories the unshare fallback covers: world-writable and socket directories get a
-    private size-capped tmpfs ("tmp"); orbitrl's own package (the built-in tasks' answers)
-    and the working directory of the run (its data and run directory) an empty read-only
-    one ("hide"), unless the interpreter lives under it; /sys too."""
+    """Directories the unshare fallback covers: world-writable and socket directories become
+    directories of the program's one file budget ("tmp"); orbitrl's own package (the
+    built-in tasks' answers) and the working directory of the run (its data and run
+    directory) get an empty read-only tmpfs ("hide"), unless the interpreter lives under
+    it; /sys and /dev/mqueue too."""
     tmp = [d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run")
            if os.path.isdir(d) and not os.path.islink(d)]
     needed = [python.executable, *python.binds]
@@ -370,7 +459,9 @@ def _fallback_cover(python: _Python) -> dict[str, list[str]]:
         if d.count(os.sep) >= 2 and d not in hide and d not in tmp and \
                 not any(n == d or n.startswith(d + os.sep) for n in needed):
             hide.append(d)
-    hide += [d for d in ("/sys",) if os.path.isdir(d)]  # cgroup files, devices: not needed
+    # cgroup files, devices; the host IPC namespace's POSIX queues (systemd mounts them
+    # world-writable): not needed
+    hide += [d for d in ("/sys", "/dev/mqueue") if os.path.isdir(d) and not os.path.islink(d)]
     return {"tmp": tmp, "hide": hide}
 
 
