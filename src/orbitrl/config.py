@@ -77,7 +77,7 @@ class TrainSection:
     clip: Literal["auto", "grouped", "global"] = "auto"  # auto: grouped for adalomo (1 pass), global for sgd (2)
     max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 0  # tokens per forward/backward micro-batch; 0 = auto: the most whose saved activations stay within the weights' bytes (at least 256 MB), shared by the side-by-side workers, at most 4096 (ledger/runtime.py auto_micro_batch_tokens)
     recompute: bool = False  # activation checkpointing: each decoder layer keeps its input and reruns in backward
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
@@ -95,7 +95,8 @@ class TrainSection:
                              f"{opt} (grouped relies on AdaLomo's per-tensor update "
                              f"normalization), got grouped")
         _require(self, "train", ("tiers",), lambda v: v >= 0, ">= 0")
-        _require(self, "train", ("workers",), lambda v: v >= 0, ">= 0 (0 = auto)")
+        _require(self, "train", ("workers", "micro_batch_tokens"), lambda v: v >= 0,
+                 ">= 0 (0 = auto)")
         if self.tiers and self.mode != "full":
             raise OrbitError("config key 'train.tiers' needs train.mode full (adapters train "
                              "with AdamW, whose gradients outlive a layer's visit)")
@@ -136,7 +137,8 @@ class AlgoSection:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                       "seq-mean-token-sum-norm"] = "token-mean"
     seq_level_ratio: bool = False  # GSPO
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = False  # DAPO: groups whose rewards are all equal are dropped and replaced by groups of fresh prompts (docs/lifecycle.md)
+    dynamic_sampling_rounds: int = 3  # dynamic sampling: extra rollout rounds per step at most, each drawing as many fresh prompts as the batch lacks informative groups; when spent, the step trains on what it kept (0 = drop only)
     overlong: Literal["none", "filter", "shape"] = "none"
     overlong_buffer: int = 4
     kl_coef: float = 0.01
@@ -158,6 +160,7 @@ class AlgoSection:
 
     def __post_init__(self):
         _require(self, "algo", ("kl_horizon",), lambda v: v >= 1, ">= 1")
+        _require(self, "algo", ("dynamic_sampling_rounds",), lambda v: v >= 0, ">= 0")
         _require(self, "algo", ("target_kl",), lambda v: v > 0, "> 0")
 
 
@@ -199,7 +202,7 @@ class SandboxSection:
     deadline_s: float = 60.0  # per batch: programs still queued or running then are scored 0 ('deadline')
     memory_mb: int = 512  # address space per program
     output_kb: int = 1024  # stdout (and stderr) read per program; more is killed
-    file_mb: int = 16  # largest file; also the size of its private /tmp and work dir (bwrap)
+    file_mb: int = 16  # everything a program may write, in all: one budget over its work dir, /tmp and /dev/shm (and at most file_mb x 1024 files); also its largest file
     open_files: int = 64  # file descriptors per program
     max_procs: int = 16  # processes and threads per program
     uid_base: int = 61000  # run as uid_base + worker slot when started as root
@@ -416,6 +419,17 @@ def _revalidate(cfg: Config):
         sec = getattr(cfg, f.name)
         if hasattr(sec, "__post_init__"):
             sec.__post_init__()
+    _combinations(cfg)
+
+
+def _combinations(cfg: Config):
+    """Keys of different sections that cannot go together (one line naming them)."""
+    a, shape = cfg.algo, cfg.schedule.shape
+    if a.dynamic_sampling and a.dynamic_sampling_rounds and shape != "colocated":
+        # the rollout ranks get each step's prompts in one order ahead of training
+        raise OrbitError(f"config key 'algo.dynamic_sampling_rounds' must be 0 with "
+                         f"schedule.shape {shape} (refill rounds run on the colocated engine; "
+                         f"separate pools drop flat groups only)")
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -152,7 +152,7 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
     phases["score"]["activations:forward"] = forward_bytes(shape, tokens, tp, work.act_bytes)
     phases["score"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, False)
     phases["train"]["activations:saved"] = activation_bytes(shape, tokens, work.recompute, tp,
-                                                           work.act_bytes)
+                                                           work.act_bytes, work.fp64_attention)
     phases["train"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, True)
     if with_host:
         phases["host"] = host

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
 from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
-                                   largest_projection_params, largest_tensor_params,
-                                   projection_params)
+                                   activation_bytes, largest_projection_params,
+                                   largest_tensor_params, projection_params)
 from orbitrl.ledger.models import ModelShape, from_config
 
 
@@ -49,15 +49,19 @@ class RunSpec:
     devices: int
     device: str
     dequant_cache: int = 0
+    workers: int = 1  # micro-batches scored and trained side by side (train.workers)
+    micro_batch_tokens: int = 0  # train.micro_batch_tokens, or the auto choice at 0
 
     @classmethod
     def from_config(cls, cfg, prompt_len: int, devices: int = 1, device: str = "cpu",
-                    recompute: bool = False) -> "RunSpec":
+                    recompute: bool = False, shape: ModelShape | None = None,
+                    workers: int = 1) -> "RunSpec":
         """Strategy from ``train.mode`` / ``train.optimizer`` / ``model.base_dtype`` /
         ``lora.rank``, weights and activations in ``model.dtype``, the workload from
         ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the longest prompt of
-        the task, in tokens; this rank's share of the samples), tiers and the reference's
-        placement as ``rl/policy.py`` sets them."""
+        the task, in tokens; this rank's share of the samples; 0 tokens: the
+        :func:`auto_micro_batch_tokens` of ``shape`` with ``workers`` micro-batches live at
+        once), tiers and the reference's placement as ``rl/policy.py`` sets them."""
         t, r = cfg.train, cfg.rollout
         recompute = recompute or t.recompute or t.tiers > 0  # what rl/policy.py sets
         compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
@@ -74,21 +78,74 @@ class RunSpec:
         seq_len = prompt_len + r.max_tokens
         n = max(1, int(devices))
         samples = math.ceil(r.n * r.prompts_per_step / n)  # this rank's share of the step
+        fp64 = fp64_attention(cfg, device)
+        mb_tokens = t.micro_batch_tokens or auto_micro_batch_tokens(
+            shape, strat, compute, recompute, fp64, workers, n)
         work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
-                        micro_batch=max(1, min(samples, t.micro_batch_tokens // seq_len)),
+                        # rl/parallel.py split_parts: at least one micro-batch per worker
+                        micro_batch=max(1, min(math.ceil(samples / max(1, workers)),
+                                               mb_tokens // seq_len)),
                         samples_per_step=samples, block_size=r.block_size,
                         kv_dtype=kv_dtype or compute, recompute=recompute,
-                        act_bytes=int(PARAM_BYTES[compute]))
+                        act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64)
         tiers = t.tiers if n == 1 and t.mode == "full" else 0
         pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
         roles = RoleOptions(reference="host" if t.mode == "full" else "none",
                             offload=2 if tiers else 0)
         return cls(strat, work, roles, compute, opt, kv_dtype, tiers, pulled, n, device,
-                   cfg.model.dequant_cache_mb << 20)
+                   cfg.model.dequant_cache_mb << 20, max(1, workers), int(mb_tokens))
+
+
+def fp64_attention(cfg, device: str) -> bool:
+    """fp32 attention computed in fp64 (``model.attention_fp64``, CPUs only): its saved
+    q, k, v are fp64."""
+    return bool(getattr(cfg.model, "attention_fp64", False)) and cfg.model.dtype == "fp32" \
+        and device != "cuda"
+
+
+AUTO_MICRO_BATCH_CAP = 4096  # tokens: auto never cuts coarser than the earlier fixed default
+ACTIVATION_FLOOR = 256 << 20  # bytes a micro-batch may always save, whatever the weights
+
+
+def auto_micro_batch_tokens(shape: ModelShape | None, strategy: Strategy, compute: str,
+                            recompute: bool, fp64: bool, workers: int = 1,
+                            devices: int = 1) -> int:
+    """``train.micro_batch_tokens: 0``: the tokens per micro-batch whose saved activations
+    stay within the bytes of the weights this rank holds (at least ACTIVATION_FLOOR), shared
+    by the ``workers`` micro-batches live at once, at most AUTO_MICRO_BATCH_CAP.
+
+    Why this budget: a step's peak is weights + saved activations + the rest, and beyond a
+    few hundred tokens per micro-batch a CPU's or GPU's GEMMs gain little from more rows, so
+    cutting the batch finer costs little time (a Python loop per micro-batch) and keeps the
+    activations from dominating the bill (SmolLM2-135M, 32 samples of 56 tokens in one
+    micro-batch: 2.5 GB saved against 0.5 GB of weights). Without ``shape`` (no model at
+    hand): the cap."""
+    if shape is None:
+        return AUTO_MICRO_BATCH_CAP
+    if strategy.kind == "adapter":
+        weights = projection_params(shape) * strategy.bytes_per_param() + \
+            (shape.total_params - projection_params(shape)) * PARAM_BYTES[compute]
+    else:
+        weights = shape.total_params * strategy.bytes_per_param() / max(1, devices)
+    per_token = activation_bytes(shape, 1, recompute, 1, int(PARAM_BYTES[compute]),
+                                 fp64_attention=fp64)
+    budget = max(int(weights), ACTIVATION_FLOOR) // max(1, workers)
+    return int(max(1, min(AUTO_MICRO_BATCH_CAP, budget // max(1, per_token))))
+
+
+def micro_batch_tokens(cfg, hf_config: dict, device: str = "cpu", recompute: bool = False,
+                       workers: int = 1, devices: int = 1) -> int:
+    """The tokens per micro-batch a run cuts its batch into (rl/score.py): the key, or at 0
+    the :func:`auto_micro_batch_tokens` the prediction prices."""
+    if cfg.train.micro_batch_tokens:
+        return int(cfg.train.micro_batch_tokens)
+    return RunSpec.from_config(cfg, 0, devices, device, recompute, from_config(hf_config),
+                               workers).micro_batch_tokens
 
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
-                       device: str = "cpu", recompute: bool = False, devices: int = 1) -> dict:
+                       device: str = "cpu", recompute: bool = False, devices: int = 1,
+                       workers: int = 1) -> dict:
     """The ledger's per-phase peak bytes for one orbitrl run (``orbitrl.config.Config``) on
     one device (one rank of ``devices``), its KV pool as the engine allocated it.
 
@@ -107,8 +164,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     Returns:
         ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
     """
-    spec = RunSpec.from_config(cfg, prompt_len, devices, device, recompute)
     shape = from_config(hf_config)
+    spec = RunSpec.from_config(cfg, prompt_len, devices, device, recompute, shape, workers)
     terms = phase_terms(shape, spec.strategy, spec.workload, kv_blocks=kv_blocks,
                         roles=spec.roles, with_host=True,
                         prefetch_depth=(spec.tiers or 2) if spec.pulled else 0)
@@ -157,6 +214,12 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
                 ph["actor:fixed"] = fixed
         if tiers:
             host["actor:weights"] -= fixed
+    # side-by-side workers (rl/parallel.py) hold one micro-batch's activations each
+    for ph, keys in (("score", ("activations:forward", "activations:logits")),
+                     ("train", ("activations:saved", "activations:logits"))):
+        for k in keys:
+            if k in terms[ph]:
+                terms[ph][k] *= spec.workers
     # orbitrl's engine allocates its KV pool once and keeps it: resident in every phase
     kv = terms["rollout"]["rollout_kv:blocks"]
     terms["score"]["rollout_kv:blocks"] = terms["train"]["rollout_kv:blocks"] = kv

@@ -284,15 +284,16 @@ class ProbedPhaseTimer(PhaseTimer):
             yield
 
 
-def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1) -> dict:
+def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1,
+                   workers: int = 1) -> dict:
     """The ledger's prediction for this run (see ``ledger.runtime.runtime_prediction``):
     the model's config.json, the KV pool as the engine allocated it, ``prompt_len`` the
     longest prompt of the task in tokens, ``devices`` the ranks the weights are sharded
-    over (the prediction is per rank)."""
+    over (the prediction is per rank), ``workers`` the micro-batches run side by side."""
     from orbitrl.ledger.runtime import runtime_prediction
 
     return runtime_prediction(cfg, model.config.hf, prompt_len,
                               kv_blocks=engine.pool.num_blocks,
                               device=torch.device(model.device).type,
                               recompute=bool(getattr(model, "recompute", False)),
-                              devices=devices)
+                              devices=devices, workers=workers)

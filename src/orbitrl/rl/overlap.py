@@ -32,20 +32,21 @@ class Cancelled(Exception):
     """Raised inside the engine's step hook to stop a rollout when the run stops."""
 
 
-def producer(rollouts, judge, device):
+def producer(judged, device):
     """The producer thread's ``produce(j, version, cancel)``: step j's rollout (the step
     number in its sampling seed, no mode flips: the adapter view is in place) judged by
-    the verifiers, timed on its own timer. Built from the components, not the trainer.
+    the verifiers, with dynamic sampling's refill rounds, timed on its own timer. Built
+    from the components, not the trainer.
 
     Args:
-        rollouts: the run's ``rl.rollout.Rollouts``; judge: ``Scorer.judge``;
-        device: where the timer measures.
+        judged: the run's ``rl.refill.Refill`` (``Rollouts`` then ``Scorer.judge``, round
+            after round); device: where the timer measures.
     """
     from orbitrl.observe.metrics import PhaseTimer
 
     def produce(j: int, version: int, cancel):
         timer = PhaseTimer(device)
-        return judge(rollouts(j, version, cancel, Cancelled, timer, eval_mode=False), timer)
+        return judged(j, version, cancel, Cancelled, timer, eval_mode=False)
     return produce
 
 

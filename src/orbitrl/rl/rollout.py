@@ -72,7 +72,8 @@ class Rollouts:
                                          d.reshard_after_forward)
 
     def __call__(self, seed_index: int, version: int, stop: Callable[[], bool],
-                 stop_error: type, timer, eval_mode: bool) -> Rollout:
+                 stop_error: type, timer, eval_mode: bool, prompts: int | None = None,
+                 first: int = 0, timeout_s: float | None = None) -> Rollout:
         """This rank's samples of the next step's prompts, drawn with policy ``version``.
 
         Args:
@@ -82,11 +83,19 @@ class Rollouts:
             timer: a PhaseTimer; the rollout's seconds go under ``rollout``.
             eval_mode: put the model in eval mode first (the producer thread samples an
                 adapter view and never flips modes).
+            prompts: how many prompts to draw over every rank (None:
+                ``rollout.prompts_per_step``).
+            first: how many of the step's prompts were drawn before these (dynamic
+                sampling's further rounds, refill.py): their group indices and sampling
+                seeds continue from there.
+            timeout_s: the watchdog's limit for this round (None: ``rollout.timeout_s``;
+                0: none).
         """
         r = self.cfg.rollout
-        P = r.prompts_per_step
+        P = r.prompts_per_step if prompts is None else prompts
         a, b = self.coll.share(P)
         rows = self.data.draw(P)[a:b]
+        timeout_s = r.timeout_s if timeout_s is None else timeout_s
         data_after = self.data.position()
         self.engine.memory_hook = self._hook(stop, stop_error)
         try:
@@ -99,11 +108,13 @@ class Rollouts:
                 env, logged = {}, []
                 if self.cfg.env.name:
                     samples, env, logged = self.trajectories(rows, self.sampling(), version,
-                                                             seed, a, seed_index)
+                                                             seed, first + a, seed_index,
+                                                             timeout_s)
                 else:
                     samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
                                                      for x in rows], rows, self.sampling(),
-                                       version, seed, deadline_s=r.timeout_s or None, first=a)
+                                       version, seed, deadline_s=timeout_s or None,
+                                       first=first + a)
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
@@ -114,7 +125,7 @@ class Rollouts:
                        env=env, trajectories=logged)
 
     def trajectories(self, rows, params, version: int, seed: int, first: int = 0,
-                     step: int = 0):
+                     step: int = 0, timeout_s: float | None = None):
         """Samples of multi-turn trajectories (``env.name`` set), their metrics and the
         records to log (rl/trajectory.py)."""
         if getattr(self, "_turns", None) is None:
@@ -122,7 +133,7 @@ class Rollouts:
 
             self._turns = trajectories_fn(self.engine, self.engine.tokenizer, self.encode,
                                           self.cfg)
-        return self._turns(rows, params, version, seed, first, step)
+        return self._turns(rows, params, version, seed, first, step, timeout_s)
 
     def _hook(self, stop, stop_error):
         """Before each engine step: a stop request aborts the rollout, then the governor."""

@@ -18,6 +18,7 @@ import torch
 
 from orbitrl.config import AlgoSection
 from orbitrl.errors import OrbitError
+from orbitrl.ledger.runtime import micro_batch_tokens
 from orbitrl.model.decoder import inference_safe
 from orbitrl.rewards import RewardSource, get_reward
 from orbitrl.rl import advantages as A
@@ -153,6 +154,11 @@ class Scorer:
         self.runner, self.anchors, self.kl_ctl = runner, anchors, kl_ctl
         self.critic, self.opt, self.coll = critic, opt, coll
         self.workers = workers or Workers(1)
+        # train.micro_batch_tokens, or the ledger's auto choice for this model, device,
+        # recompute setting and side-by-side workers (what the memory prediction prices)
+        self.mb_tokens = micro_batch_tokens(
+            cfg, model.config.hf, torch.device(model.device).type,
+            bool(getattr(model, "recompute", False)), self.workers.n, coll.world)
         t = cfg.rollout.temperature
         self.T = t if t > 0 else 1.0
 
@@ -169,21 +175,31 @@ class Scorer:
         rollout.seconds = dict(timer.seconds)
         return rollout
 
+    def informative(self, rollout: Rollout) -> int:
+        """This rank's groups of a judged rollout that dynamic sampling keeps (their
+        rewards, as training shapes them, are not all equal): refill.py's count."""
+        r, samples = self.cfg.rollout, rollout.samples
+        if not samples:
+            return 0
+        rewards = shaped_rewards(rollout.rewards.rewards, samples, self.algo, r.max_tokens)
+        return int(A.dynamic_sampling_mask(rewards, r.n).sum()) // r.n
+
     def __call__(self, rollout: Rollout, version: int, timer, stop) -> StepScore:
         """Shape, select and score a judged rollout; ``version`` is the policy version the
         update will train (the staleness reference, step 0's checks)."""
         r, samples = self.cfg.rollout, rollout.samples
         if not self.coll.any(bool(samples)):  # the watchdog dropped every group
-            return StepScore({"reward_mean": 0.0, "step_skipped": 1, "groups_kept": 0}, None,
-                             anything=False)
+            return StepScore({"reward_mean": 0.0, "step_skipped": 1, "groups_kept": 0,
+                              **rollout.refill}, None, anything=False)
         res = rollout.rewards
         rewards = shaped_rewards(res.rewards, samples, self.algo, r.max_tokens)
         metrics = {"reward_mean": 0.0, "groups_kept": len(samples) // r.n}
         metrics.update(step_metrics(res, samples, version))
         keep = torch.ones(len(samples), dtype=torch.bool)
-        if self.algo.dynamic_sampling:
+        if self.algo.dynamic_sampling:  # (every refill round's groups: refill.py)
             keep = A.dynamic_sampling_mask(rewards, r.n)
             metrics["dropped_groups"] = int((~keep).sum()) // r.n
+            metrics.update(rollout.refill)
         if stop():
             raise StepAbandoned()
         with timer.phase("score"):
@@ -201,7 +217,7 @@ class Scorer:
             self.coll.join_scoring(self.model, self._global_tensors(), self.device)
             return None
         kept = [samples[i] for i in idx]
-        mbs = split_parts(micro_batches(kept, self.cfg.train.micro_batch_tokens), kept,
+        mbs = split_parts(micro_batches(kept, self.mb_tokens), kept,
                           self.workers.n)
         # packed once per micro-batch; the whole batch's [B, T] layout is its own pack only
         # when there are several (with one, it is that micro-batch's)

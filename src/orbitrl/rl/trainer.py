@@ -32,6 +32,7 @@ from orbitrl.rl.guards import GradNormGuard, Snapshot
 from orbitrl.rl.losses import make_kl_controller
 from orbitrl.rl.policy import build_policy, pick_device
 from orbitrl.rl.parallel import Workers, resolve_workers
+from orbitrl.rl.refill import Refill
 from orbitrl.rl.rollout import Rollouts, build_engine
 from orbitrl.rl.score import Scorer, reward_sources
 from orbitrl.rl.types import Rollout, StepAbandoned, StepScore, Update
@@ -127,6 +128,9 @@ class RLTrainer:
                                max(1, cfg.train.threads))
         self.scorer = Scorer(cfg, self.model, self.device, self.rewards, self.anchors,
                              self.kl_ctl, self.critic, self.opt, self.coll, self.workers)
+        # judged rollouts, with dynamic sampling's refill rounds (either thread draws them)
+        self.refill = Refill(cfg, self.rollouts, self.scorer.judge, self.scorer.informative,
+                             self.coll)
         self.updater = Updater(cfg, self.model, self.policy.trainable, self.opt, self.guard,
                                self.snapshot, self.critic, self.critic_opt, self.coll,
                                self.workers)
@@ -150,7 +154,8 @@ class RLTrainer:
         # at step boundaries instead, since a rank leaving mid-step would hang the others)
         self.should_stop = lambda: False
         self.mem.prediction = run_prediction(cfg, self.model, self.engine, prompt_len,
-                                             devices=self.coll.world)
+                                             devices=self.coll.world,
+                                             workers=self.workers.n)
         self.mem.settle(self.model, self.policy.reference, self.engine.cache, self.opt,
                         self.critic, self.critic_opt)
 
@@ -227,13 +232,12 @@ class RLTrainer:
         if self.pool is not None:
             return self._pool_rollout(timer, t_step)
         if not self.cfg.rollout.overlap:
-            ro = self.rollouts(self.step_idx, self.step_idx, self.should_stop, StepAbandoned,
-                               timer, eval_mode=True)
-            return self.scorer.judge(ro, timer), None, t_step
+            return self.refill(self.step_idx, self.step_idx, self.should_stop, StepAbandoned,
+                               timer, eval_mode=True), None, t_step
         if self.overlap is None:
             from orbitrl.rl.overlap import Overlap, producer
 
-            produce = producer(self.rollouts, self.scorer.judge, self.device)
+            produce = producer(self.refill, self.device)
             self.overlap = Overlap(produce, self.model, self.cfg.train.max_steps,
                                    self.cfg.rollout.queue_size, self.iteration, self.step_idx,
                                    self.resume_snapshots)

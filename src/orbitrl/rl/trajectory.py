@@ -401,9 +401,10 @@ def trajectory_log(trajs: list[Trajectory], count: int, step: int) -> list[dict]
 
 
 def trajectories_fn(engine, tok, encode, cfg):
-    """``(rows, params, version, seed, first) -> (samples, metrics, log)`` over a TurnLoop
-    of ``cfg.env``: what the Evaluator runs held-out trajectories with (a run's Rollouts
-    and ``orbitrl eval`` both build it here)."""
+    """``(rows, params, version, seed, first, step, timeout_s) -> (samples, metrics, log)``
+    over a TurnLoop of ``cfg.env``: what the Evaluator runs held-out trajectories with (a
+    run's Rollouts and ``orbitrl eval`` both build it here). ``timeout_s``: the watchdog's
+    limit (None: ``rollout.timeout_s``)."""
     schemas = []
     if cfg.env.name == "tools":
         from orbitrl.envs.tool_env import tools_of
@@ -412,8 +413,10 @@ def trajectories_fn(engine, tok, encode, cfg):
         schemas = tool_schemas(tools_of(cfg.env, cfg))
     loop = TurnLoop(engine, tok, encode, cfg, schemas)
 
-    def run(rows, params, version: int, seed: int, first: int = 0, step: int = 0):
-        trajs, stats = loop.run(rows, params, seed, first, cfg.rollout.timeout_s or None)
+    def run(rows, params, version: int, seed: int, first: int = 0, step: int = 0,
+            timeout_s: float | None = None):
+        limit = cfg.rollout.timeout_s if timeout_s is None else timeout_s
+        trajs, stats = loop.run(rows, params, seed, first, limit or None)
         return (trajectory_samples(trajs, params.n, version, first),
                 trajectory_metrics(trajs, stats),
                 trajectory_log(trajs, cfg.env.log_trajectories, step))

@@ -47,7 +47,8 @@ class StepAbandoned(Exception):
 class Rollout:
     """One step's samples as the engine produced them (rollout.py), with the verifiers'
     rewards once ``Scorer.judge`` has run (in the producer thread when overlapped, so their
-    seconds hide behind training too)."""
+    seconds hide behind training too); with dynamic sampling's refill, every round's
+    samples after the first round's (refill.py ``merge``)."""
     samples: list[Sample]
     gen_tokens: int                  # tokens the engine generated
     watchdog: int                    # watchdog events during this rollout
@@ -58,6 +59,7 @@ class Rollout:
     seconds: dict = field(default_factory=dict)  # rollout (and reward) phase seconds
     env: dict = field(default_factory=dict)  # multi-turn: the step's trajectory metrics
     trajectories: list = field(default_factory=list)  # multi-turn: records to log
+    refill: dict = field(default_factory=dict)  # dynamic sampling's rounds and counts (refill.py)
 
 
 @dataclass
