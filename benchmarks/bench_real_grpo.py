@@ -66,8 +66,7 @@ def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path):
     import yaml
 
     cfg = {"model": {"path": str(model), "base_dtype": "fp32"},
-           "train": {"mode": mode, "max_steps": 1_000_000, "max_seconds": seconds,
-                     "threads": 0},
+           "train": {"mode": mode, "max_steps": 1_000_000, "max_seconds": seconds},
            "rollout": {"n": SETTINGS["n"], "prompts_per_step": SETTINGS["prompts"],
                        "temperature": SETTINGS["temperature"],
                        "max_tokens": SETTINGS["max_tokens"]},

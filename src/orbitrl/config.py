@@ -77,7 +77,7 @@ class TrainSection:
     clip: Literal["auto", "grouped", "global"] = "auto"  # auto: grouped for adalomo (1 pass), global for sgd (2)
     max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
-    micro_batch_tokens: int = 0  # tokens per forward/backward micro-batch; 0 = auto: the most whose saved activations stay within the weights' bytes (at least 256 MB), shared by the side-by-side workers, at most 4096 (ledger/runtime.py auto_micro_batch_tokens)
+    micro_batch_tokens: int = 0  # tokens per forward/backward micro-batch; 0 = auto: adapter mode, the most whose saved activations stay within the weights' bytes (at least 256 MB), shared by the side-by-side workers, at most 4096; full mode 4096 (its fused update steps per micro-batch) (ledger/runtime.py auto_micro_batch_tokens)
     recompute: bool = False  # activation checkpointing: each decoder layer keeps its input and reruns in backward
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases

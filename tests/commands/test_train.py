@@ -55,10 +55,31 @@ def test_export_and_eval(run_dir, tmp_path, capsys):
     assert (tmp_path / "hf" / "config.json").exists()
     out = tmp_path / "eval.json"
     assert main(["eval", "--model", "builtin:tiny-arith", "--adapter", str(tmp_path / "peft"),
-                 "--limit", "16", "--out", str(out)]) == 0
+                 "--base-dtype", "fp32", "--limit", "16", "--out", str(out)]) == 0
     a = json.loads(out.read_text())["accuracy"]
     assert main(["eval", "--model", str(tmp_path / "hf"), "--limit", "16"]) == 0
-    assert f"accuracy {a:.4f}" in capsys.readouterr().out  # merged == base + adapter
+    assert f"accuracy {a:.4f}" in capsys.readouterr().out  # merged == fp32 base + adapter
+
+
+def test_adapters_state_their_base_and_eval_uses_it(run_dir, tmp_path, capsys):
+    """The run trained over an int8 base: its adapters (and their export) say so, the export
+    notes it, and `orbitrl eval --adapter` evaluates over the same base, so it reproduces the
+    run's own evaluation (`eval --run`) on the same rows and settings."""
+    from orbitrl.model.adapters import trained_base
+
+    final = run_dir / "checkpoints" / "final"
+    assert trained_base(final) == "int8"
+    assert main(["export", str(run_dir), "--format", "peft", "--out", str(tmp_path / "p")]) == 0
+    assert trained_base(tmp_path / "p") == "int8"
+    assert "trained over a int8 base" in capsys.readouterr().out
+    assert main(["eval", "--run", str(run_dir), "--out", str(tmp_path / "run.json")]) == 0
+    assert main(["eval", "--model", "builtin:tiny-arith", "--adapter", str(tmp_path / "p"),
+                 "--max-tokens", "5", "--limit", "8", "--out", str(tmp_path / "a.json")]) == 0
+    assert "were trained over a int8 base: evaluating over the same" in \
+        capsys.readouterr().out
+    ran = json.loads((tmp_path / "run.json").read_text())["rows"]
+    got = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert [r["completion"] for r in got] == [r["completion"] for r in ran[:8]]
 
 
 def _autopeft_against_ours(adapter_dir):

@@ -74,3 +74,9 @@ def test_the_scorer_cuts_with_the_ledgers_choice(monkeypatch):
     assert explicit.scorer.mb_tokens == 4096
     tr.close()
     explicit.close()
+
+
+def test_full_mode_keeps_one_micro_batch_per_worker():
+    """The fused update steps once per micro-batch: auto does not cut full mode finer."""
+    c = cfg("train.mode=full")
+    assert runtime.micro_batch_tokens(c, SMOL, workers=1) == runtime.AUTO_MICRO_BATCH_CAP

@@ -19,50 +19,8 @@ from orbitrl.envs.tools import build_tools, tool_schemas
 from orbitrl.rewards.verifiers import exact_match
 from orbitrl.rl.trajectory import TurnLoop, trajectory_samples
 
-# Qwen2.5's template, cut to the branches the trajectory uses (no system message given,
-# assistant calls written as text, consecutive tool messages in one user turn).
-QWEN2_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nYou are a helpful assistant.\\n\\n# Tools\\n"
-    "<tools>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall a function as <tool_call>\\n{\"name\": <function-name>, "
-    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or message.role == 'assistant' %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-SPECIAL = ["<|im_start|>", "<|im_end|>"]
-ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-
-def _tokenizer():
-    """Characters one token each, the Qwen2 control and tool tokens as added tokens
-    (``<tool_call>`` is not special in Qwen2: a turn decoded without special tokens keeps
-    it), eos ``<|im_end|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tk.decoder = decoders.Fuse()
-    tk.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
-                                  pad_token="<pad>")
-    tok.chat_template = QWEN2_TEMPLATE
-    return tok
+from chat_helpers import ADDED, QWEN2_TEMPLATE, SPECIAL  # noqa: F401,E402
+from chat_helpers import chat_tokenizer as _tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,10 @@ def add_arguments(parser):
                         "rows, with the run's prompt encoding (chat template), reward and "
                         "max tokens (the other flags except --limit and --out are ignored)")
     parser.add_argument("--adapter", help="PEFT adapter directory to apply")
+    parser.add_argument("--base-dtype", choices=("auto", "fp32", "bf16", "int8", "nf4"),
+                        default="auto", help="the frozen base's format under --adapter; auto: "
+                        "the one the adapters were trained over (their orbitrl_base.json), "
+                        "else fp32")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--task", help="built-in task (default: arith held-out split)")
     src.add_argument("--data", help="JSONL/Parquet file or HF dataset directory")
@@ -78,7 +82,7 @@ def run(args) -> int:
         source = f"task {task} (held-out split)"
     fields = SimpleNamespace(prompt_field=args.prompt_field, answer_field=args.answer_field,
                              chat_template=args.chat_template)
-    model, tok, path = _load(args.model, args.adapter)
+    model, tok, path = _load(args.model, args.adapter, args.base_dtype)
     grader = choose_grader(args.grader, name, None if args.data else task)
     return _evaluate(args, model, tok, path, args.adapter,
                      rows[:args.limit] if args.limit else rows, runner, fields, args.max_tokens,
@@ -123,13 +127,23 @@ def _run_of(args) -> int:
                      cfg if cfg.env.name else None, grader, cfg.reward.name)
 
 
-def _load(model_path, adapter):
-    """(model, tokenizer, resolved path) of a model directory plus PEFT adapters."""
-    from orbitrl.model import load_model, load_tokenizer
+def _load(model_path, adapter, base_dtype: str = "auto"):
+    """(model, tokenizer, resolved path) of a model directory plus PEFT adapters, the frozen
+    base in ``base_dtype`` (auto: the format the adapters were trained over, else fp32)."""
+    from orbitrl.model import load_tokenizer
+    from orbitrl.model.adapters import trained_base
     from orbitrl.model.builtin import resolve_model_path
+    from orbitrl.rl.policy import load_base
 
     path = resolve_model_path(model_path)
-    model = load_model(path)
+    fmt = base_dtype
+    if adapter and fmt == "auto":
+        fmt = trained_base(adapter) or "fp32"
+        if fmt != "fp32":
+            print(f"adapters {adapter} were trained over a {fmt} base: evaluating over the "
+                  f"same (--base-dtype fp32 for the full-precision weights)")
+    fmt = "fp32" if fmt == "auto" else fmt
+    model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
     tok = load_tokenizer(path, model.config.vocab_size)
     if adapter:
         from orbitrl.model.adapters import load_adapters

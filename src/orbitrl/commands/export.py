@@ -45,6 +45,10 @@ def run(args) -> int:
         shutil.copytree(final, out, dirs_exist_ok=True)
         _complete_peft_dir(out, path)
         print(f"exported adapters {final} -> {out} (base {path})")
+        if cfg.model.base_dtype != "fp32":
+            print(f"note: trained over a {cfg.model.base_dtype} base (recorded in "
+                  f"{out / 'orbitrl_base.json'}); over the full-precision weights peft loads, "
+                  f"its answers differ: `orbitrl eval --adapter {out}` uses the same base")
         return 0
     model = load_model(path)  # merge over the full-precision base
     load_adapters(model, final)

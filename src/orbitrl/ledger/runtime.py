@@ -112,7 +112,8 @@ def auto_micro_batch_tokens(shape: ModelShape | None, strategy: Strategy, comput
                             devices: int = 1) -> int:
     """``train.micro_batch_tokens: 0``: the tokens per micro-batch whose saved activations
     stay within the bytes of the weights this rank holds (at least ACTIVATION_FLOOR), shared
-    by the ``workers`` micro-batches live at once, at most AUTO_MICRO_BATCH_CAP.
+    by the ``workers`` micro-batches live at once, at most AUTO_MICRO_BATCH_CAP. Adapter mode
+    only: in full mode every micro-batch is an optimizer step of its own (the cap there).
 
     Why this budget: a step's peak is weights + saved activations + the rest, and beyond a
     few hundred tokens per micro-batch a CPU's or GPU's GEMMs gain little from more rows, so
@@ -120,7 +121,11 @@ def auto_micro_batch_tokens(shape: ModelShape | None, strategy: Strategy, comput
     activations from dominating the bill (SmolLM2-135M, 32 samples of 56 tokens in one
     micro-batch: 2.5 GB saved against 0.5 GB of weights). Without ``shape`` (no model at
     hand): the cap."""
-    if shape is None:
+    if shape is None or strategy.kind != "adapter":
+        # full mode's fused update steps once per micro-batch (lr / k each, train/optim.py):
+        # cut into ~11 micro-batches, SmolLM2's stateless full mode fell from 0.21 held-out to
+        # 0.07 in 600 s where one micro-batch per worker learns; until accumulation that
+        # keeps the step's dynamics is measured, full mode keeps the coarse cut
         return AUTO_MICRO_BATCH_CAP
     if strategy.kind == "adapter":
         weights = projection_params(shape) * strategy.bytes_per_param() + \

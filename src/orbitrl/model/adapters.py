@@ -54,14 +54,22 @@ def peft_targets(model: nn.Module) -> list[str] | str:
     return "|".join(re.escape(n) for n in wrapped)
 
 
+TRAINED_BASE = "orbitrl_base.json"
+
+
 def save_adapters(model: nn.Module, out_dir: str | Path,
-                  base_model_name_or_path: str | None = None) -> Path:
+                  base_model_name_or_path: str | None = None,
+                  trained_base: str | None = None) -> Path:
     """Write the model's LoRA adapters as a PEFT adapter directory.
 
     Args:
         model: a model with :func:`apply_lora` applied (one rank and alpha throughout).
         out_dir: created if missing; files are written under temporary names and renamed.
         base_model_name_or_path: recorded in the config (peft loads the base from it).
+        trained_base: the frozen base's format the adapters were trained over
+            (``model.base_dtype``), written to ``orbitrl_base.json`` beside them: adapters
+            trained over an NF4 base fit that base, and give other answers over the fp32
+            weights peft loads (``orbitrl eval --adapter`` reads it and loads the same).
     Returns:
         ``out_dir`` as a Path.
     """
@@ -97,7 +105,25 @@ def save_adapters(model: nn.Module, out_dir: str | Path,
     tmp = out / (CONFIG_NAME + ".tmp")
     tmp.write_text(json.dumps(cfg, indent=2))
     os.replace(tmp, out / CONFIG_NAME)
+    if trained_base is not None:
+        tmp = out / (TRAINED_BASE + ".tmp")
+        tmp.write_text(json.dumps({"base_dtype": trained_base,
+                                   "base_model_name_or_path": cfg["base_model_name_or_path"]},
+                                  indent=2))
+        os.replace(tmp, out / TRAINED_BASE)
     return out
+
+
+def trained_base(path: str | Path) -> str | None:
+    """The base format an adapter directory says it was trained over (``orbitrl_base.json``),
+    or None (adapters from elsewhere, or older runs)."""
+    f = Path(path) / TRAINED_BASE
+    if not f.exists():
+        return None
+    try:
+        return str(json.loads(f.read_text())["base_dtype"])
+    except (ValueError, KeyError, TypeError):
+        raise OrbitError(f"{f}: not a JSON object with 'base_dtype'") from None
 
 
 def read_adapter_config(path: str | Path) -> dict:

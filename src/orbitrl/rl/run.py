@@ -442,7 +442,8 @@ def _save_policy(trainer, out: Path):
         # the base directory and the tokenizer beside the adapters: peft's
         # AutoPeftModelForCausalLM.from_pretrained(out) then needs nothing else
         base = resolve_model_path(trainer.cfg.model.path).resolve()
-        save_adapters(trainer.model, out, base_model_name_or_path=base)
+        save_adapters(trainer.model, out, base_model_name_or_path=base,
+                      trained_base=trainer.cfg.model.base_dtype)
         trainer.tok.save_pretrained(str(out))
     else:
         from orbitrl.model.weights import save_pretrained
