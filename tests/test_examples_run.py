@@ -33,7 +33,7 @@ def chat_model(tmp_path_factory):
     return d
 
 
-def _overrides(path: Path, chat_model: Path, tmp: Path) -> list[str]:
+def _overrides(path: Path, chat_model: Path) -> list[str]:
     cfg = load_config(path)
     over = list(SIZE)
     if not str(cfg.model.path).startswith("builtin:"):
@@ -51,7 +51,7 @@ def _overrides(path: Path, chat_model: Path, tmp: Path) -> list[str]:
 def test_example_runs(path, chat_model, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # examples name their data relative to the repository
     out = tmp_path / "run"
-    sets = [x for o in _overrides(path, chat_model, tmp_path) for x in ("--set", o)]
+    sets = [x for o in _overrides(path, chat_model) for x in ("--set", o)]
     assert main(["train", str(path), *sets, "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 2 and 0.0 <= s["heldout_accuracy_after"] <= 1.0

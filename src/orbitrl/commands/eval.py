@@ -98,7 +98,7 @@ def _run_of(args) -> int:
     from orbitrl.errors import OrbitError
     from orbitrl.rewards import RewardRunner
     from orbitrl.rl.run import load_data
-    from orbitrl.rewards.graders import choose_grader
+    from orbitrl.rewards.graders import run_grader
     from orbitrl.rl.score import reward_sources
 
     run = Path(args.run)
@@ -119,12 +119,11 @@ def _run_of(args) -> int:
     else:
         model, tok, path = _load(final, None)
         adapter = None
-    grader = choose_grader(cfg.eval.grader, cfg.reward.name,
-                           None if cfg.data.train else cfg.data.task)
     return _evaluate(args, model, tok, path, adapter,
                      held[:args.limit] if args.limit else held, runner, cfg.data,
                      cfg.rollout.max_tokens, f"run {run} (held-out rows)",
-                     cfg if cfg.env.name else None, grader, cfg.reward.name)
+                     cfg if cfg.env.name else None, run_grader(cfg), cfg.reward.name,
+                     cfg.eval.warn_gap)
 
 
 def _load(model_path, adapter, base_dtype: str = "auto"):
@@ -213,11 +212,14 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None
 
 
 def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, source,
-              env_cfg=None, grader=("reward", None), reward_name="reward") -> int:
+              env_cfg=None, grader=("reward", None), reward_name="reward",
+              warn_gap: float | None = None) -> int:
     """Score ``rows`` through the shared evaluation path (``rl/evaluate.py``); print the
     accuracy (``grader``: (name, function) from rewards/graders.py) with the reward's mean
     beside it, and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
+    from orbitrl.config import EvalSection
+    from orbitrl.rewards.graders import reward_gap_warning
     from orbitrl.rl.evaluate import tool_summary
 
     j = _evaluator(model, tok, data, max_tokens, env_cfg,
@@ -230,9 +232,9 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     print(f"accuracy {acc:.4f} ({int(total)}/{len(rows)}) on {source}, model {path}"
           + (f" + adapter {adapter}" if adapter else "")
           + f"; grader {grader[0]}, reward {reward_name!r} mean {j.reward:.4f}")
-    if j.reward - acc > 0.3:
-        print(f"warning: the reward {reward_name!r} gives {j.reward:.3f} where the strict "
-              f"grader gives {acc:.3f}: it scores replies the grader does not (exploited?)")
+    gap = EvalSection.warn_gap if warn_gap is None else warn_gap
+    if (warn := reward_gap_warning(reward_name, acc, j.reward, gap)):
+        print(warn)
     tools = tool_summary(records)
     if tools is not None:  # multi-turn: the accuracy is the completion rate
         print(f"tools: called in {tools['tool_use_rate']:.1%} of trajectories, correctly "

@@ -53,3 +53,22 @@ def choose_grader(name: str, reward: str, task: str | None) -> tuple[str, Grader
         else:
             name = "answer"
     return name, {"exact": _exact, "answer": _answer, "reward": None}[name]
+
+
+def run_grader(cfg) -> tuple[str, Grader | None]:
+    """:func:`choose_grader` for a run's config (``eval.grader``, ``reward.name``, and the
+    built-in task unless ``data.train`` names a file)."""
+    return choose_grader(cfg.eval.grader, cfg.reward.name,
+                         None if cfg.data.train else cfg.data.task)
+
+
+def reward_gap_warning(reward: str, accuracy: float, mean_reward: float,
+                       gap: float) -> str | None:
+    """The warning when the held-out training reward passes the strict accuracy by more than
+    ``gap`` (``eval.warn_gap``): a reward that scores what the grader does not."""
+    if mean_reward - accuracy <= gap:
+        return None
+    return (f"warning: on the held-out rows the training reward {reward!r} gives "
+            f"{mean_reward:.3f} where the strict grader gives {accuracy:.3f}: the policy may "
+            f"be exploiting the reward {reward!r} (compare completions in "
+            f"metrics/summary; docs/eval.md)")

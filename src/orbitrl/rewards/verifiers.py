@@ -7,7 +7,6 @@ as an error for that sample), because a data problem must not read as a wrong an
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 from typing import Any
@@ -85,6 +84,9 @@ def math_answer(prompt: str, completion: str, **fields: Any) -> float:
     main = threading.current_thread() is threading.main_thread()
     t = 5 if main else None
     answer = str(_answer(fields, "math"))
+    text = cut_at_eos(completion, fields.get("eos_text"))
+    if as_number(answer) is not None:  # a number wants a number (or a fraction) of its value
+        return 1.0 if strict_correct(text, answer, prompt) else 0.0
     # the gold answer read as the reply's is (a box's content): plain text would be read
     # as its last number ("(1, 2)" as 2)
     gold = parse("\\boxed{" + answer + "}", parsing_timeout=t) or \
@@ -93,13 +95,9 @@ def math_answer(prompt: str, completion: str, **fields: Any) -> float:
         raise ValueError(f"reward 'math': cannot parse the answer {answer!r}")
     # only the reply's final answer is judged: math-verify given the whole text finds any
     # expression in it (a restated "23 + 45" is proved equal to 68)
-    ans = final_answer(cut_at_eos(completion, fields.get("eos_text")), prompt)
+    ans = final_answer(text, prompt)
     if ans is None or not admissible(ans, answer, prompt):
         return 0.0
-    want, got = as_number(answer), as_number(ans.text)
-    if want is not None:  # a number wants a number (or a fraction), not an expression
-        ok = got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6)
-        return 1.0 if ok else 0.0
     pred = parse("\\boxed{" + ans.text + "}", parsing_timeout=t)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=t) else 0.0
 

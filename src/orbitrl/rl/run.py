@@ -15,6 +15,7 @@ from orbitrl.config import Config, save_config
 from orbitrl.data.datasets import load_rows, task_rows
 from orbitrl.errors import OrbitError
 from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
+from orbitrl.rewards.graders import reward_gap_warning
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -85,8 +86,8 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     save_policy(trainer, run_dir / "checkpoints" / "final")
     summary = run_summary(trainer, start, after, stopped, clock, coll)
     summary.update(schedule_summary(trainer, cfg, world, echo))
-    if (warn := reward_gap_warning(cfg, summary["heldout_accuracy_after"],
-                                   summary["heldout_reward_after"])):
+    if (warn := reward_gap_warning(cfg.reward.name, summary["heldout_accuracy_after"],
+                                   summary["heldout_reward_after"], cfg.eval.warn_gap)):
         echo(warn)
         summary["reward_gap_warning"] = warn
     if coll.is_main:
@@ -277,24 +278,11 @@ def held_out(trainer, held: list[dict], rows: int = 0, max_seconds: float = 0.0)
     """Greedy completions of the held-out rows (the first ``rows``; 0: all) judged by the
     run's strict grader (``eval.grader``, rewards/graders.py), the training reward beside it
     (:class:`orbitrl.rl.evaluate.Judged`)."""
-    from orbitrl.rewards.graders import choose_grader
+    from orbitrl.rewards.graders import run_grader
 
-    cfg = trainer.cfg
-    _, grader = choose_grader(cfg.eval.grader, cfg.reward.name,
-                              None if cfg.data.train else cfg.data.task)
-    return trainer.evaluator.judge(held[:rows or None], trainer.rewards, grader, max_seconds,
+    return trainer.evaluator.judge(held[:rows or None], trainer.rewards, run_grader(trainer.cfg)[1],
+                                   max_seconds,
                                    trainer.step_idx)
-
-
-def reward_gap_warning(cfg: Config, accuracy: float, reward: float) -> str | None:
-    """The warning when the held-out training reward passes the strict accuracy by more than
-    ``eval.warn_gap`` (a reward that scores what the grader does not: exploited)."""
-    if reward - accuracy <= cfg.eval.warn_gap:
-        return None
-    return (f"warning: on the held-out rows the training reward {cfg.reward.name!r} gives "
-            f"{reward:.3f} where the strict grader gives {accuracy:.3f}: the policy may be "
-            f"exploiting the reward {cfg.reward.name!r} (compare completions in "
-            f"metrics/summary; docs/eval.md)")
 
 
 def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
@@ -309,7 +297,7 @@ def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
 def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunClock,
                 coll) -> dict:
     """summary.json: held-out accuracy before and after, rewards, skips, memory."""
-    from orbitrl.rewards.graders import choose_grader
+    from orbitrl.rewards.graders import run_grader
 
     cfg, rewards = trainer.cfg, start.rewards
     extra_acc = {}
@@ -321,8 +309,7 @@ def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunC
         "heldout_accuracy_after": after["heldout_accuracy_after"],
         "heldout_reward_before": start.reward,
         "heldout_reward_after": after["heldout_reward_after"],
-        "heldout_grader": choose_grader(cfg.eval.grader, cfg.reward.name,
-                                        None if cfg.data.train else cfg.data.task)[0],
+        "heldout_grader": run_grader(cfg)[0],
         "steps": trainer.iteration, "optimizer_steps": trainer.step_idx, "stopped": stopped,
         "wall_seconds": clock.wall(),
         "reward_first_20": _mean(rewards[:20]), "reward_last_20": _mean(rewards[-20:]),
