@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from orbitrl.engine.paged_attention import dequantize
+from orbitrl.engine.paged_common import dequantize
 
 
 class PrefixGroups(NamedTuple):
@@ -95,18 +95,6 @@ def shared_prefix_groups(block_tables: torch.Tensor, context_lens: torch.Tensor,
     shared = torch.where(count > 1, shared, 0)  # a lone row has nothing to share
     offsets = torch.cat([count.new_zeros(1), count.cumsum(0)])
     return PrefixGroups(offsets.to(torch.int32), shared.to(torch.int32), max_group)
-
-
-def auto_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
-    """Key splits per (row, kv head) so that a small batch still fills the GPU: 1 when the
-    batch alone gives every SM a program, else up to 16 splits of at least 512 keys."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = batch * num_kv_heads
-    if programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // programs), -(-max_context // 512), 16))
 
 
 @lru_cache(maxsize=1)

@@ -30,16 +30,20 @@ in place; it is the default on CUDA when Triton imports. Elsewhere the plain-PyT
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from orbitrl.engine.attention_kernels import auto_splits
+from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
 from orbitrl.engine.decode_state import DecodeState
-from orbitrl.engine.paged_attention import KVCache, dequantize
+from orbitrl.engine.paged_attention import KVCache
+from orbitrl.engine.paged_common import auto_splits, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
 from orbitrl.model.attention import decode_attention_exact
+from orbitrl.model.lora import adapter_view
 
 GPU_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 16))
 CPU_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 33, 4)) + tuple(range(40, 513, 8))
@@ -124,26 +128,18 @@ def default_attend(device, backend: str = "auto"):
     """The paged decode attention a runner on ``device`` uses: the Triton kernel for
     ``backend`` "triton" (or "auto" on CUDA with Triton installed), else
     :class:`ReferencePagedDecode`."""
-    from functools import partial
-
-    from orbitrl.engine.attention_kernels import paged_decode
-
     if resolve_backend(device, backend) == "triton":
-        return partial(paged_decode, backend="triton")
+        return partial(kernels.paged_decode, backend="triton")
     return ReferencePagedDecode()
 
 
 def resolve_backend(device, backend: str) -> str:
     """"auto" -> "triton" on CUDA when Triton is installed, else "torch"."""
-    from orbitrl.engine.attention_kernels import triton_available
-
-    import os
-
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {backend!r}: choose 'auto', 'torch' or 'triton'")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    if backend == "triton" and not triton_available():
+        return "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
+    if backend == "triton" and not kernels.triton_available():
         raise ValueError("attention backend 'triton': the triton package is not installed")
     if backend == "triton" and device.type != "cuda" and \
             os.environ.get("TRITON_INTERPRET") != "1":
@@ -164,9 +160,8 @@ class _StepAttention:
         self.groups = None
         if runner.grouped:
             # the kernel reads the blocks a GRPO group shares once per group (capturable)
-            from orbitrl.engine.attention_kernels import shared_prefix_groups
-
-            self.groups = shared_prefix_groups(self.bt, self.ctx, runner.cache.block_size)
+            self.groups = kernels.shared_prefix_groups(self.bt, self.ctx,
+                                                       runner.cache.block_size)
         # the kernel's key splits as a graph's step has them (from the buffers' full
         # width, not this step's longest row), for eager steps too: the two round alike
         self.splits = None if isinstance(runner.attend, ReferencePagedDecode) else \
@@ -263,8 +258,6 @@ class DecodeRunner:
     def _step(self, b: int, nb: int, filtered: bool) -> None:
         """The graph body: forward, sample, stop checks, advance; writes ``out[:b]`` as
         (token, logprob, raw logprob, reason: 0 running, 1 stop id, 2 length)."""
-        from orbitrl.model.lora import adapter_view
-
         st = self.state
         attn = _StepAttention(self, b, nb)
         if isinstance(self.attend, ReferencePagedDecode):

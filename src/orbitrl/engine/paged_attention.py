@@ -13,37 +13,12 @@ in place: decode tokens with their GRPO prefix groups, each prefill chunk over i
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 
+from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
+from orbitrl.engine.paged_common import FP8, FP8_MAX, dequantize
 from orbitrl.model.attention import decode_attention_exact, sdpa
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-@lru_cache(maxsize=None)
-def _fp8_table() -> torch.Tensor:
-    """The 256 fp8 e4m3 values as fp32, on the CPU."""
-    with torch.inference_mode(False):
-        return torch.arange(256, dtype=torch.uint8, device="cpu").view(FP8).float()
-
-
-def dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 e4m3 KV stored as uint8 ``bits`` [..., D] times their fp32 ``scale`` [..., 1],
-    in ``dtype``. On a CPU the fp8 -> fp32 step is a lookup in a 256-entry table (the same
-    values as ``bits.view(float8_e4m3fn).float()``, NaN codes included): PyTorch's CPU
-    conversion is scalar, 1.0 ms for the K of a 32-row decode step of the benchmark model
-    against 0.2 ms for the lookup."""
-    if bits.device.type == "cpu":
-        codes = bits.reshape(-1).view(torch.uint8).int()  # the bits, whatever the view
-        vals = _fp8_table().index_select(0, codes).view(bits.shape)
-    else:
-        vals = bits.view(FP8).float()
-    return (vals * scale).to(dtype)
-
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
@@ -284,19 +259,18 @@ class PagedAttention:
     def _kernels(self, layer: int, q, out, window):
         """The paged kernels: decode tokens in one call, the GRPO samples of a prompt
         reading their shared blocks once; each prefill chunk over its paged prefix."""
-        from orbitrl.engine.attention_kernels import (paged_decode, paged_prefill,
-                                                      shared_prefix_groups)
-
         c = self.cache
         ks, vs = (c.k_scale[layer], c.v_scale[layer]) if c.fp8 else (None, None)
         kw = dict(block_size=c.block_size, scale=self.scale, window=window, k_scale=ks,
                   v_scale=vs, backend="triton")
         if self.num_decode:
             if self._groups is None and self.dec_grouped:  # once per step, for every layer
-                self._groups = shared_prefix_groups(self.dec_bt, self.dec_ctx, c.block_size)
+                self._groups = kernels.shared_prefix_groups(self.dec_bt, self.dec_ctx,
+                                                            c.block_size)
             b = self.num_decode
-            out[:b] = paged_decode(q[:b], c.k[layer], c.v[layer], self.dec_bt, self.dec_ctx,
-                                   prefix_groups=self._groups, **kw)
+            out[:b] = kernels.paged_decode(q[:b], c.k[layer], c.v[layer], self.dec_bt,
+                                           self.dec_ctx, prefix_groups=self._groups, **kw)
         for (t0, t1, start, _), table in zip(self.prefills, self.prefill_tables):
-            out[t0:t1] = paged_prefill(q[t0:t1], c.k[layer], c.v[layer], table, start, **kw)
+            out[t0:t1] = kernels.paged_prefill(q[t0:t1], c.k[layer], c.v[layer], table, start,
+                                               **kw)
         return out

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from orbitrl.engine.attention_kernels import auto_splits
+from orbitrl.engine.paged_common import auto_splits
 
 try:
     from triton import knobs

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from orbitrl.envs.tool_env import ToolEnv
 from orbitrl.errors import OrbitError
 from orbitrl.plugins import load_object
 
-_REGISTRY: dict[str, Callable] = {}
+_REGISTRY: dict[str, Callable] = {"tools": ToolEnv}  # the built-in ones
 
 
 def register_env(name: str, override: bool = False):
@@ -26,13 +27,11 @@ def register_env(name: str, override: bool = False):
 
 
 def list_envs() -> list[str]:
-    _builtins()
     return sorted(_REGISTRY)
 
 
 def get_env(name: str) -> Callable:
     """The factory of a registered name or an import path."""
-    _builtins()
     if callable(name):
         return name
     if name in _REGISTRY:
@@ -42,7 +41,3 @@ def get_env(name: str) -> Callable:
     raise OrbitError(f"config key 'env.name': unknown environment {name!r}; registered: "
                      f"{', '.join(sorted(_REGISTRY))} (or give an import path "
                      "'pkg.module:factory')")
-
-
-def _builtins():
-    import orbitrl.envs.tool_env  # noqa: F401 - registers "tools"

@@ -11,7 +11,6 @@ row's answer: the tool was used the right way).
 from __future__ import annotations
 
 from orbitrl.envs.base import Environment, StepResult
-from orbitrl.envs.registry import register_env
 from orbitrl.envs.toolcall import CallSyntax
 from orbitrl.envs.tools import ToolError, build_tools
 
@@ -73,6 +72,3 @@ class ToolEnv(Environment):
             return f"error: {e}", False
         except Exception as e:  # noqa: BLE001 - a failing user tool is the model's problem
             return f"error: {type(e).__name__}: {e}", False
-
-
-register_env("tools")(ToolEnv)

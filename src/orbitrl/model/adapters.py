@@ -24,8 +24,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from orbitrl.errors import OrbitError
-from orbitrl.model.lora import apply_lora, candidate_linears, lora_modules, match_targets
-from orbitrl.model.moe import routed_adapters
+from orbitrl.model.lora import (apply_lora, candidate_linears, lora_modules, match_targets,
+                                routed_adapters)
 from orbitrl.model.weights import save_pretrained
 
 CONFIG_NAME = "adapter_config.json"

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.moe import ROUTED_EXPERT, SparseMoE
 from orbitrl.model.quant import FrozenLinear
 
 ADAPTER_DTYPES = {"float32": torch.float32, "fp32": torch.float32,
@@ -129,8 +130,6 @@ def candidate_linears(model: nn.Module, experts: bool = False) -> dict[str, nn.M
     """Linear layers inside the decoder layers that LoRA may target (not the LM head, not
     layers already inside an adapter, a mixture's routed experts only with ``experts``), by
     HF module name."""
-    from orbitrl.model.moe import ROUTED_EXPERT
-
     inside = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     out = {}
     for name, mod in model.named_modules():
@@ -194,7 +193,7 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
         base_format: also store each wrapped plain ``nn.Linear`` frozen in this format.
         experts: mixtures: "none" (routed experts are not candidates), "per_expert" (each
             selected expert projection gets its own adapter), "shared" (one adapter per
-            projection kind and layer, used by every expert; ``moe.share_expert_adapters``).
+            projection kind and layer, used by every expert; :func:`share_expert_adapters`).
     Returns:
         The wrapped module names, in model order.
     """
@@ -214,8 +213,6 @@ def apply_lora(model: nn.Module, rank: int = 16, alpha: float | None = None,
         mod = LoRALinear(cands[name], rank, alpha, dropout, adapter_dtype, base_format)
         setattr(model.get_submodule(parent), child, mod.train(model.training))
     if experts == "shared":
-        from orbitrl.model.moe import share_expert_adapters
-
         share_expert_adapters(model)
     return names
 
@@ -228,6 +225,36 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable parameters: every LoRA A and B (hand these to the optimizer)."""
     params = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
     return list({id(p): p for p in params}.values())  # experts' shared adapters once
+
+
+def routed_adapters(model: nn.Module) -> list[str]:
+    """Names of the LoRA modules on a mixture's routed experts (PEFT files cannot hold them
+    here)."""
+    return [n for n in lora_modules(model) if ROUTED_EXPERT.fullmatch(n)]
+
+
+def share_expert_adapters(model: nn.Module) -> int:
+    """Make every routed expert of a layer use one LoRA pair per projection kind: the
+    adapters ``apply_lora`` put on each expert's projection are replaced by the first
+    expert's (its A and B modules are the same objects in every expert), so a layer trains
+    ``rank * (in + out)`` per projection kind instead of ``num_experts`` times that. Returns
+    the number of shared pairs; a one-line OrbitError when only some experts were adapted."""
+    pairs = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, SparseMoE):
+            continue
+        for proj in mod.experts[0].names:
+            wrapped = [getattr(ex, proj) for ex in mod.experts]
+            hit = [isinstance(w, LoRALinear) for w in wrapped]
+            if not any(hit):
+                continue
+            if not all(hit):
+                raise OrbitError(f"lora.experts shared: lora.targets adapt {proj} of only some "
+                                 f"experts of {name} (select all of them, or none)")
+            for w in wrapped[1:]:
+                w.lora_A, w.lora_B = wrapped[0].lora_A, wrapped[0].lora_B
+            pairs += 1
+    return pairs
 
 
 def set_adapters_enabled(model: nn.Module, enabled: bool) -> None:

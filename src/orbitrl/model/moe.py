@@ -635,39 +635,6 @@ def make_ffn(cfg, layer_idx: int, dense_factory):
     return m.ffn_attr, SparseMoE(cfg, m.sparse_layers.index(layer_idx))
 
 
-def routed_adapters(model) -> list[str]:
-    """Names of the LoRA modules on routed experts (PEFT files cannot hold them here)."""
-    from orbitrl.model.lora import lora_modules
-
-    return [n for n in lora_modules(model) if ROUTED_EXPERT.fullmatch(n)]
-
-
-def share_expert_adapters(model) -> int:
-    """Make every routed expert of a layer use one LoRA pair per projection kind: the
-    adapters ``apply_lora`` put on each expert's projection are replaced by the first
-    expert's (its A and B modules are the same objects in every expert), so a layer trains
-    ``rank * (in + out)`` per projection kind instead of ``num_experts`` times that. Returns
-    the number of shared pairs; a one-line OrbitError when only some experts were adapted."""
-    from orbitrl.model.lora import LoRALinear
-
-    pairs = 0
-    for name, mod in model.named_modules():
-        if not isinstance(mod, SparseMoE):
-            continue
-        for proj in mod.experts[0].names:
-            wrapped = [getattr(ex, proj) for ex in mod.experts]
-            hit = [isinstance(w, LoRALinear) for w in wrapped]
-            if not any(hit):
-                continue
-            if not all(hit):
-                raise OrbitError(f"lora.experts shared: lora.targets adapt {proj} of only some "
-                                 f"experts of {name} (select all of them, or none)")
-            for w in wrapped[1:]:
-                w.lora_A, w.lora_B = wrapped[0].lora_A, wrapped[0].lora_B
-            pairs += 1
-    return pairs
-
-
 # ---- router losses ------------------------------------------------------------------------
 
 def load_balancing_loss(logits: list[torch.Tensor], ids: list[torch.Tensor], num_experts: int,

@@ -419,7 +419,7 @@ def save_policy(trainer, out: Path):
 
 
 def _save_policy(trainer, out: Path):
-    from orbitrl.model.moe import routed_adapters
+    from orbitrl.model.lora import routed_adapters
 
     # adapters on a mixture's routed experts have no PEFT layout: merged weights instead
     if trainer.cfg.train.mode == "adapter" and not routed_adapters(trainer.model):

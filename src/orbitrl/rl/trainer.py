@@ -25,6 +25,7 @@ from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import PhaseTimer
 from orbitrl.observe.step import StepFlops, phase_metrics, sample_metrics
 from orbitrl.rewards import RewardRunner
+from orbitrl.rl.alignment import training_row
 from orbitrl.rl.anchors import Anchors
 from orbitrl.rl.cursor import DataCursor
 from orbitrl.rl.evaluate import Evaluator
@@ -282,11 +283,10 @@ class RLTrainer:
 
     # ---- the row -------------------------------------------------------------------
     def _alignment(self, samples) -> dict:
-        """check-alignment every ``log.align_every`` steps (evals/alignment.py), one process."""
+        """check-alignment every ``log.align_every`` steps (rl/alignment.py), one process."""
         lg, r = self.cfg.log, self.cfg.rollout
         if not lg.align_every or self.iteration % lg.align_every or self.coll.enabled:
             return {}
-        from orbitrl.evals.alignment import training_row
         return training_row(self.model, self.tok, [s.prompt_ids for s in samples[::r.n]]
                             [:lg.align_prompts], min(16, r.max_tokens))
 
