@@ -24,6 +24,11 @@ def test_defaults_and_overrides(tmp_path):
     ("nosuch.key=1", "'nosuch'"),
     ("novalue", "KEY=VALUE"),
     ("algo.kl_horizon=0", "'algo.kl_horizon'"),
+    ("algo.dual_clip=1", "'algo.dual_clip'"),
+    ("algo.dual_clip=0.5", "'algo.dual_clip'"),
+    ("algo.entropy_coef=-0.01", "'algo.entropy_coef'"),
+    ("algo.mismatch=is", "'algo.mismatch'"),
+    ("algo.tis_cap=0", "'algo.tis_cap'"),
 ])
 def test_bad_override(override, needle):
     with pytest.raises(OrbitError) as e:

@@ -78,7 +78,7 @@ class TrainSection:
     max_steps: int = 200
     max_seconds: float = 0.0  # 0 = no wall-clock budget
     micro_batch_tokens: int = 0  # tokens per forward/backward micro-batch; 0 = auto: adapter mode, the most whose saved activations stay within the weights' bytes (at least 256 MB), shared by the side-by-side workers, at most 4096; full mode 4096 (its fused update steps per micro-batch) (ledger/runtime.py auto_micro_batch_tokens)
-    recompute: bool = False  # activation checkpointing: each decoder layer keeps its input and reruns in backward
+    recompute: Literal["auto", True, False] = "auto"  # activation checkpointing: each decoder layer keeps its input and reruns in backward; auto: on in full mode when the micro-batch's saved activations would exceed the weights' bytes (at least 256 MB), off in adapter mode (the micro-batch is cut instead) (ledger/runtime.py resolve_recompute)
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
@@ -147,7 +147,10 @@ class AlgoSection:
     adaptive_kl: bool = False
     target_kl: float = 0.05  # adaptive KL: the per-token mean KL (kl_estimator) steered toward
     kl_horizon: int = 1000  # adaptive KL: a step moves the coef by at most 20% x min(1, samples / this)
-    tis_cap: float = 2.0
+    tis_cap: float = 2.0  # the cap of the rollout/trainer mismatch correction (algo.mismatch): tis and seq_tis weights are at most this; mis keeps tokens whose ratio lies in [1 / tis_cap, tis_cap]
+    mismatch: Literal["tis", "mis", "seq_tis", "off", False] = "tis"  # correction of the gap between the engine's logprobs and the trainer's, per token from r = exp(trainer - rollout): tis min(r, tis_cap); mis 1 inside [1 / tis_cap, tis_cap], else 0 (the token is dropped); seq_tis min(exp(mean log r over the sequence), tis_cap) on every token of the sequence; off 1 (YAML reads a bare off as false: the same) (rl/losses.py mismatch_weights)
+    dual_clip: float = 0.0  # dual-clip PPO (Ye et al. 2020, verl's clip_ratio_c): > 1 bounds a negative-advantage token's clipped loss by dual_clip x (-A); 0 = off
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef x the policy's entropy at the completion tokens, aggregated as the loss (algo.loss_agg); 0 = off (the entropy is still logged)
     epochs: int = 1
     gamma: float = 1.0  # PPO: GAE discount
     lam: float = 0.95  # PPO: GAE lambda
@@ -161,7 +164,14 @@ class AlgoSection:
     def __post_init__(self):
         _require(self, "algo", ("kl_horizon",), lambda v: v >= 1, ">= 1")
         _require(self, "algo", ("dynamic_sampling_rounds",), lambda v: v >= 0, ">= 0")
-        _require(self, "algo", ("target_kl",), lambda v: v > 0, "> 0")
+        _require(self, "algo", ("target_kl", "tis_cap"), lambda v: v > 0, "> 0")
+        if self.mismatch in (False,):  # `mismatch: off` in YAML, or --set algo.mismatch=off
+            self.mismatch = "off"
+        _require(self, "algo", ("dual_clip",), lambda v: v == 0 or v > 1, "0 (off) or > 1")
+        _require(self, "algo", ("entropy_coef",), lambda v: v >= 0, ">= 0")
+        if self.mismatch == "mis":
+            _require(self, "algo", ("tis_cap",), lambda v: v >= 1,
+                     ">= 1 with algo.mismatch mis (it keeps ratios in [1 / tis_cap, tis_cap])")
 
 
 @dataclass

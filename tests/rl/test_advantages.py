@@ -1,13 +1,17 @@
 """Advantage estimators and reward shaping against hand-computed values."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from orbitrl.config import AlgoSection
 from orbitrl.errors import OrbitError
 from orbitrl.rl.advantages import (discounted_returns, dynamic_sampling_mask, gae,
-                                   grpo_advantages, overlong_filter, overlong_penalty,
+                                   grpo_advantages, overlong_penalty,
                                    reinforce_pp_advantages, rloo_advantages,
                                    shape_token_rewards, whiten)
+from orbitrl.rl.score import loss_mask
 
 
 def close(t, expected, atol=1e-5):
@@ -114,8 +118,15 @@ def test_overlong_penalty_and_filter():
           [0.0, 0.0, -0.5, -1.0, -1.0])
     with pytest.raises(OrbitError):
         overlong_penalty(torch.tensor([1]), max_len=10, buffer=0)
-    mask = torch.ones(2, 3)
-    close(overlong_filter(mask, torch.tensor([False, True])), [[1, 1, 1], [0, 0, 0]])
+    # the filter the run applies (rl/score.py loss_mask, algo.overlong: filter): a truncated
+    # sample's loss mask is zeroed; a copy (the packed batches keep their own masks)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    kept = [SimpleNamespace(truncated=t) for t in (False, True, False)]
+    got = loss_mask(mask, kept, AlgoSection(overlong="filter"))
+    close(got, [[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert mask[1].sum() == 3
+    for other in ("none", "shape"):
+        close(loss_mask(mask, kept, AlgoSection(overlong=other)), mask.tolist())
 
 
 def test_per_turn_rewards_sit_at_the_end_of_their_turns():

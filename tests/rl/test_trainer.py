@@ -375,7 +375,7 @@ def test_old_logprobs_from_the_update_forward_change_nothing(monkeypatch):
     def run(reuse: bool):
         tr = make("reward.name=test_length", "algo.check=false")
         if not reuse:
-            tr.scorer.old_from_update = lambda version: False
+            tr.scorer.old_from_update = lambda version, parts=1: False
         assert tr.scorer.old_from_update(tr.step_idx) is reuse
         calls.clear()
         rows = [tr.step() for _ in range(3)]
@@ -392,8 +392,39 @@ def test_old_logprobs_from_the_update_forward_change_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("over", [["algo.epochs=2"], ["algo.kl_in_reward=true"],
-                                  ["train.mode=full"], ["algo.name=ppo"]])
+                                  ["algo.name=ppo"]])
 def test_old_logprobs_get_their_own_pass_when_the_update_cannot_give_them(over):
     tr = make("reward.name=test_length", "algo.check=false", *over)
     assert not tr.scorer.old_from_update(tr.step_idx)
     assert tr.step()["step_skipped"] == 0
+
+
+def test_full_mode_reuses_the_forward_only_when_the_step_is_one_micro_batch(monkeypatch):
+    """The fused update changes the weights during each backward: a step of one
+    micro-batch has run its forward before any update (its old logprobs are that forward's,
+    one scoring pass fewer, the same update bit for bit); a step of several needs the pass."""
+    import orbitrl.rl.score as S
+
+    calls = []
+    real_score = S.score
+    monkeypatch.setattr(S, "score", lambda *a, **k: calls.append(1) or real_score(*a, **k))
+
+    def run(*over, reuse=True):
+        tr = make("reward.name=test_length", "algo.check=false", "train.mode=full",
+                  "algo.kl_coef=0", *over)
+        assert tr.policy.reference is None  # no KL term: no int8 reference copy
+        if not reuse:
+            tr.scorer.old_from_update = lambda version, parts=1: False
+        calls.clear()
+        rows = [tr.step() for _ in range(2)]
+        return rows, [p.detach().clone() for p in tr.model.parameters()], len(calls)
+
+    rows_a, w_a, n_a = run()
+    rows_b, w_b, n_b = run(reuse=False)
+    assert n_a == 0 and n_b == 2  # no scoring pass at all against one per step
+    assert all(torch.equal(a, b) for a, b in zip(w_a, w_b))
+    for ra, rb in zip(rows_a, rows_b):
+        for k in ("reward_mean", "grad_norm", "ratio_mean", "pg_loss"):
+            assert ra[k] == rb[k], k
+    _, _, n_c = run("train.micro_batch_tokens=64")  # several micro-batches: the pass runs
+    assert n_c >= 4  # (one call per micro-batch, two steps)

@@ -7,7 +7,7 @@ import torch
 import orbitrl
 from orbitrl.errors import OrbitError
 from orbitrl.train.logprobs import model_logprobs
-from orbitrl.train.optim import FusedAdaLomo, FusedSGD, build_optimizer
+from orbitrl.train.optim import FusedAdaLomo, FusedSGD, build_optimizer, lr_at
 
 
 def _batches(n, seed=0, B=2, T=9, V=97):
@@ -491,3 +491,25 @@ def test_build_optimizer_clip_modes(hf_dirs):
     for name, clip in (("sgd", "grouped"), ("adamw", "grouped"), ("adalomo", "previous")):
         with pytest.raises(OrbitError):
             build_optimizer(name, ps, 1e-3, clip=clip)
+
+
+def test_lr_at_warmup_constant_and_cosine():
+    """The one learning-rate schedule (RL's train.* keys, SFT's cosine), by hand."""
+    # constant, warmup 4: (step + 1) / 4 of lr, then lr
+    assert [lr_at(s, 2.0, warmup=4) for s in (0, 1, 3, 10)] == [0.5, 1.0, 2.0, 2.0]
+    assert lr_at(0, 2.0) == 2.0  # warmup 0: none (no division by it)
+    # cosine from 1.1 to min_lr .1 over 10 steps: halfway .1 + 1 x .5 x (1 + cos(pi/2)) = .6
+    kw = dict(total=10, schedule="cosine", min_lr=0.1)
+    assert lr_at(0, 1.1, **kw) == pytest.approx(1.1)
+    assert lr_at(5, 1.1, **kw) == pytest.approx(0.6)
+    assert lr_at(10, 1.1, **kw) == pytest.approx(0.1) and lr_at(20, 1.1, **kw) == pytest.approx(0.1)
+    # warmup scales the part above min_lr: step 0 of 2 -> .1 + 1 x .5 x .5 x (1 + 1)
+    assert lr_at(0, 1.1, warmup=2, **kw) == pytest.approx(0.6)
+    # SFT's schedule (train/sft.py: warmup + cosine to 0) as it was written there, to rounding
+    # (pi x (s / total) here against (pi x s) / total there)
+    for s in range(0, 300, 7):
+        old = 1e-3 * min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / 300))
+        assert lr_at(s, 1e-3, warmup=20, total=300, schedule="cosine") == \
+            pytest.approx(old, rel=1e-12, abs=0)
+    with pytest.raises(OrbitError, match="linear"):
+        lr_at(0, 1.0, schedule="linear")

@@ -226,15 +226,3 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float =
     over = (lengths.float() - (max_len - buffer)).clamp(min=0.0)
     return -factor * (over / buffer).clamp(max=1.0)
 
-
-def overlong_filter(mask: Tensor, truncated: Tensor) -> Tensor:
-    """DAPO overlong filtering: zero the loss mask of truncated samples (cut by the cap,
-    so their reward says nothing about the answer).
-
-    Args:
-        mask: [B, T]; truncated: [B] bool.
-
-    Returns:
-        [B, T] mask in mask's dtype.
-    """
-    return mask * (~truncated.bool()).to(mask.dtype)[:, None]

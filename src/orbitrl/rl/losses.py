@@ -1,4 +1,4 @@
-"""Policy-gradient, value, entropy and KL losses for the GRPO/PPO family.
+"""Policy-gradient (with the entropy bonus), value and KL losses for the GRPO/PPO family.
 
 Pure functions over tensors. B sequences, T completion positions; every [B, T] tensor is
 aligned with `mask` (1 for tokens that count, 0 for padding). Losses return
@@ -14,6 +14,7 @@ from orbitrl.errors import OrbitError
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+MISMATCH_MODES = ("tis", "mis", "seq_tis", "off")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: finite in fp32/bf16, far past any clip range
 
 
@@ -70,46 +71,80 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
 
 
-def tis_weights(trainer_logp: Tensor, rollout_logp: Tensor, cap: float = 2.0) -> Tensor:
-    """Truncated importance-sampling weights min(pi_trainer / pi_rollout, cap), detached.
+def mismatch_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str = "tis",
+                     cap: float = 2.0) -> Tensor:
+    """Per-token weights [B, T] (detached, fp32) correcting for the gap between the policy
+    that sampled (the rollout engine: its kernels, or an older version) and the one the
+    trainer computes, from the ratio r = exp(old_logp - rollout_logp).
 
-    Corrects for samples drawn by a policy (engine kernels, an older version) that differs
-    from the one the trainer computes; the cap bounds the variance. Shapes: [B, T] -> [B, T].
+    Modes (``algo.mismatch``): "tis" min(r, cap) per token (truncated importance sampling);
+    "mis" 1 where 1/cap <= r <= cap, else 0 (masked importance sampling: the token is dropped);
+    "seq_tis" min(exp(mean over the sequence's valid tokens of log r), cap), the geometric
+    mean of the sequence's ratios, on every token of the sequence; "off" 1.
+
+    Args:
+        old_logp: [B, T] the trainer's logprobs of the sampling policy; rollout_logp: [B, T]
+            the engine's; mask: [B, T] (only "seq_tis" reads it).
     """
-    log_w = (trainer_logp.detach() - rollout_logp.detach()).clamp(max=_MAX_LOG_RATIO)
-    return log_w.exp().clamp(max=cap)
+    log_w = old_logp.detach().float() - rollout_logp.detach().float()
+    if mode == "tis":
+        return log_w.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap)
+    if mode == "mis":
+        r = log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        return ((r <= cap) & (r >= 1.0 / cap)).to(log_w.dtype)
+    if mode == "seq_tis":
+        seq = sequence_log_ratio(old_logp.detach().float(), rollout_logp.detach().float(), mask)
+        w = seq.clamp(max=_MAX_LOG_RATIO).exp().clamp(max=cap)
+        return w[:, None].expand_as(log_w)
+    if mode == "off":
+        return torch.ones_like(log_w)
+    raise OrbitError(f"unknown mismatch correction {mode!r}; expected one of "
+                     f"{', '.join(MISMATCH_MODES)}")
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                clip_low: float = 0.1, clip_high: float = 0.1, dual_clip: float | None = None,
+                clip_low: float = 0.1, clip_high: float = 0.1, dual_clip: float = 0.0,
                 ratio_level: str = "token", agg: str = "token-mean",
                 norm_len: int | None = None, denom: float | None = None,
-                rollout_logp: Tensor | None = None, tis_cap: float = 2.0
+                rollout_logp: Tensor | None = None, mismatch: str = "tis", tis_cap: float = 2.0,
+                entropy: Tensor | None = None, entropy_coef: float = 0.0
                 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO/GRPO clipped surrogate, with clip-higher, dual-clip, GSPO and TIS options.
+    """The actor loss: PPO/GRPO clipped surrogate with clip-higher, dual-clip, GSPO, the
+    rollout/trainer mismatch correction and an entropy bonus (``rl/update.py`` `actor_loss`
+    calls it with the ``algo.*`` keys).
 
     Per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)); with dual_clip = c > 1,
-    tokens with A < 0 are further capped at -A c (Ye et al. 2020). With
+    tokens with A < 0 are further capped at -A c (Ye et al. 2020; verl's clip_ratio_c). With
     ratio_level="sequence" (GSPO) every token of sequence i uses the sequence ratio
     s_i = exp(sequence_log_ratio) for value and clipping, and the gradient of s_i (GSPO-token
     form: logp - sg(logp) + sg(log s_i)); pair it with agg="seq-mean-token-mean" and small clip
     ranges (GSPO uses 3e-4 / 4e-4). If `rollout_logp` is given, each token's loss is multiplied
-    by tis_weights(old_logp, rollout_logp, tis_cap).
+    by mismatch_weights(old_logp, rollout_logp, mask, mismatch, tis_cap). The per-token losses
+    are reduced by `aggregate`; with entropy_coef > 0 the loss then loses
+    entropy_coef * aggregate(entropy) (the same reduction).
 
     Args:
         logp: [B, T] current policy logprobs of the sampled tokens (with grad).
         old_logp: [B, T] logprobs of the policy that sampled, as the trainer computes them.
         advantages: [B, T], or [B] broadcast over tokens.
         mask: [B, T].
+        dual_clip: 0 = off, else > 1.
         rollout_logp: [B, T] logprobs recorded by the rollout engine, or None.
+        mismatch: "tis", "mis", "seq_tis" or "off" (see `mismatch_weights`); tis_cap its cap.
+        entropy: [B, T] per-token entropy of the current policy (with grad for the bonus),
+            or None; entropy_coef: the bonus' weight (0 = metric only).
         Others: see `aggregate` for agg, norm_len, denom.
 
     Returns:
-        (loss, metrics) with metrics pg_loss, clip_frac, clip_frac_low, clip_frac_high,
-        ratio_mean, ratio_max, ratio_min, approx_kl (k3 estimate of KL(old || current)), and
-        with TIS tis_weight_mean, tis_clip_frac, logprob_mismatch_max/mean; with dual clip
-        dual_clip_frac.
+        (loss, metrics) with metrics pg_loss (the surrogate, before the entropy bonus),
+        clip_frac, clip_frac_low, clip_frac_high, ratio_mean, ratio_max, ratio_min, approx_kl
+        (k3 estimate of KL(old || current)); with rollout_logp tis_weight_mean, tis_clip_frac
+        (tokens at the cap; under "mis" the masked ones), logprob_mismatch_max/mean; with dual
+        clip dual_clip_frac; with entropy entropy (its mean over valid tokens).
     """
+    if mismatch not in MISMATCH_MODES:
+        raise OrbitError(f"unknown mismatch correction {mismatch!r}; expected one of "
+                         f"{', '.join(MISMATCH_MODES)}")
     logp, old_logp = logp.float(), old_logp.detach().float()
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp)
@@ -121,35 +156,45 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     per_token = torch.maximum(loss1, loss2)
     m = mask.float()
     metrics: dict[str, Tensor] = {}  # turned into floats with one device sync at the end
-    if dual_clip is not None:
+    if dual_clip:
         if dual_clip <= 1.0:
-            raise OrbitError(f"dual_clip must be > 1, got {dual_clip}")
+            raise OrbitError(f"dual_clip must be 0 (off) or > 1, got {dual_clip}")
         loss3 = -advantages * dual_clip
         capped = (advantages < 0) & (per_token > loss3)
         per_token = torch.where(advantages < 0, torch.minimum(per_token, loss3), per_token)
         metrics["dual_clip_frac"] = masked_mean(capped.to(m.dtype), m)
     if rollout_logp is not None:
-        per_token = _tis(per_token, old_logp, rollout_logp, tis_cap, m, metrics)
-    loss = aggregate(per_token, mask, agg, norm_len, denom)
+        per_token = _correct(per_token, old_logp, rollout_logp, mismatch, tis_cap, m, metrics)
+    loss = pg_loss = aggregate(per_token, mask, agg, norm_len, denom)
+    if entropy is not None and entropy_coef:
+        loss = pg_loss - entropy_coef * aggregate(entropy, mask, agg, norm_len, denom)
 
     with torch.no_grad():
         metrics.update(_ratio_metrics(ratio.detach(), token_log_ratio.detach(), advantages, m,
-                                      clip_low, clip_high, loss.detach()))
+                                      clip_low, clip_high, pg_loss.detach()))
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy.detach(), m)
         values = torch.stack([v.float() for v in metrics.values()]).tolist()
     return loss, dict(zip(metrics.keys(), values))
 
 
-def _tis(per_token: Tensor, old_logp: Tensor, rollout_logp: Tensor, tis_cap: float, m: Tensor,
-         metrics: dict) -> Tensor:
-    """Per-token losses weighted by the truncated importance weight of the trainer's old
-    logprobs over the rollout engine's; the weights' and the gap's statistics into metrics."""
-    w = tis_weights(old_logp, rollout_logp, tis_cap)
+def _correct(per_token: Tensor, old_logp: Tensor, rollout_logp: Tensor, mode: str, cap: float,
+             m: Tensor, metrics: dict) -> Tensor:
+    """Per-token losses weighted by `mismatch_weights` (unchanged under "off"); the weights'
+    and the logprob gap's statistics into metrics."""
+    w = mismatch_weights(old_logp, rollout_logp, m, mode, cap)
     gap = (old_logp - rollout_logp.detach()).abs()
     metrics["tis_weight_mean"] = masked_mean(w, m)
-    metrics["tis_clip_frac"] = masked_mean((w >= tis_cap).to(m.dtype), m)
+    if mode == "mis":
+        clipped = w == 0
+    elif mode == "off":
+        clipped = torch.zeros_like(w, dtype=torch.bool)
+    else:
+        clipped = w >= cap
+    metrics["tis_clip_frac"] = masked_mean(clipped.to(m.dtype), m)
     metrics["logprob_mismatch_max"] = (gap * m).max() if m.numel() else gap.new_zeros(())
     metrics["logprob_mismatch_mean"] = masked_mean(gap, m)
-    return per_token * w
+    return per_token if mode == "off" else per_token * w
 
 
 def _ratio(logp: Tensor, old_logp: Tensor, token_log_ratio: Tensor, mask: Tensor,
@@ -222,12 +267,6 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str = "k3",
     return loss, {"kl": masked_mean(per_token.detach(), mask).item()}
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution, in fp32. logits: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
                clip: float | None = 0.2, agg: str = "token-mean",
                norm_len: int | None = None, denom: float | None = None
@@ -260,39 +299,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         ev = (1.0 - var_e / var_r).item() if var_r > 0 else 0.0
     return loss, {"value_loss": loss.item(), "value_clip_frac": clip_frac,
                   "value_mean": masked_mean(values.detach(), m).item(), "explained_var": ev}
-
-
-def actor_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-               ref_logp: Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-               entropy: Tensor | None = None, entropy_coef: float = 0.0,
-               **policy_kwargs) -> tuple[Tensor, dict[str, float]]:
-    """policy_loss + kl_coef * KL term - entropy_coef * entropy, with merged metrics.
-
-    Args:
-        logp, old_logp, advantages, mask: as in `policy_loss`.
-        ref_logp: [B, T] reference logprobs; when given, metrics["kl"] is reported even if
-            kl_coef is 0 (KL as a reward penalty instead, or monitoring only).
-        entropy: [B, T] per-token entropy (e.g. `entropy_from_logits`), or None.
-        policy_kwargs: forwarded to `policy_loss` (clip_low, clip_high, agg, rollout_logp...).
-
-    Returns:
-        (loss, metrics) with the policy metrics plus kl, entropy and loss when available.
-    """
-    loss, metrics = policy_loss(logp, old_logp, advantages, mask, **policy_kwargs)
-    agg = (policy_kwargs.get("agg", "token-mean"), policy_kwargs.get("norm_len"),
-           policy_kwargs.get("denom"))
-    if ref_logp is not None:
-        kl, kl_metrics = kl_loss(logp, ref_logp, mask, kl_estimator, *agg)
-        metrics.update(kl_metrics)
-        if kl_coef:
-            loss = loss + kl_coef * kl
-    if entropy is not None:
-        ent = aggregate(entropy, mask, *agg)
-        metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
-        if entropy_coef:
-            loss = loss - entropy_coef * ent
-    metrics["loss"] = loss.item()
-    return loss, metrics
 
 
 class FixedKLController:

@@ -20,6 +20,7 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.errors import OrbitError
+from orbitrl.ledger.runtime import reference_needed
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
@@ -63,7 +64,8 @@ def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
 
 def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
     """The policy as the run trains it; ``reference=False`` skips full mode's int8
-    reference (a rollout rank of separate pools never scores)."""
+    reference (a rollout rank of separate pools never scores), as does a run without a KL
+    term (``ledger.runtime.reference_needed``)."""
     path = resolve_model_path(cfg.model.path)
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     if cfg.train.mode == "adapter":
@@ -87,15 +89,17 @@ def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
             p.requires_grad_(True)
         trainable = [p for p in model.parameters()]
         residency = place_on_tiers(model, device, tiers) if tiers else None
-        want_ref, reference = reference, None
-        if want_ref:
+        want_ref, reference = reference and reference_needed(cfg), None
+        if want_ref:  # (no KL term anywhere: no reference copy, ledger/runtime.py)
             reference = load_base(path, "int8", dtype, "cpu")  # host-resident, frozen
             for p in reference.parameters():
                 p.requires_grad_(False)
         ref_residency = None
         if reference is not None and (device.type != "cpu" or tiers):
             ref_residency = place_on_tiers(reference, device, tiers or 2)
-    model.recompute = cfg.train.recompute or cfg.train.tiers > 0
+    # (train.recompute auto is resolved by the trainer once the prompts' length is known:
+    # ledger/runtime.py resolve_recompute)
+    model.recompute = cfg.train.recompute is True or cfg.train.tiers > 0
     model.attention_fp64 = cfg.model.attention_fp64
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
     tok = load_tokenizer(path, model.config.vocab_size)

@@ -20,6 +20,7 @@ from orbitrl.distributed.collective import Collective
 from orbitrl.distributed.env import Dist
 from orbitrl.engine.governor import KVGovernor, hand_back
 from orbitrl.errors import OrbitError
+from orbitrl.ledger.runtime import resolve_recompute
 from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import PhaseTimer
@@ -86,6 +87,10 @@ class RLTrainer:
         self.model, self.tok = self.policy.model, self.policy.tokenizer
         self.train_rows, self.heldout_rows = train_rows, heldout_rows
         prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
+        # train.recompute auto: the ledger's choice for these prompts (micro-batch, scoring and
+        # the memory prediction all read model.recompute)
+        self.model.recompute = resolve_recompute(cfg, self.model.config.hf, prompt_len,
+                                                 self.device.type, self.coll.world)
         self.engine, self.kv_plan = build_engine(cfg, self.model, self.tok,
                                                  self.policy.reference, self.device,
                                                  prompt_len, self.coll.world)

@@ -22,16 +22,17 @@ from orbitrl.rl.guards import layer_grad_norms
 from orbitrl.rl.parallel import Workers, accumulate
 from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from orbitrl.rl.types import Scored, StepAbandoned, Update
-from orbitrl.train.optim import is_fused
+from orbitrl.train.optim import is_fused, lr_at
 
 
 def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSection,
                kl_coef: float, temperature: float, denom: float, norm_len: int,
                critic=None, old_values=None, returns=None, mask=None):
-    """Policy loss (+ KL term, + the critic's value loss for PPO) of one micro-batch;
-    returns (loss, metrics). ``old_logp`` None: the old policy is the one computing this
-    forward (nothing changed the weights since the rollout was scored; see
-    ``Scorer.old_from_update``), so its logprobs are this forward's, detached. ``mask``
+    """Policy loss (``losses.policy_loss`` with ``algo.*``: clipping, dual-clip, the
+    mismatch correction, the entropy bonus) + KL term (+ the critic's value loss for PPO)
+    of one micro-batch; returns (loss, metrics). ``old_logp`` None: the old policy is the
+    one computing this forward (nothing changed the weights since the rollout was scored;
+    see ``Scorer.old_from_update``), so its logprobs are this forward's, detached. ``mask``
     [B_k, T_k]: the loss mask (default the micro-batch's completion mask)."""
     msk = mb.mask if mask is None else mask
     routing = replay_routing(model, mb.routing, aux=True)  # None for a dense model
@@ -40,10 +41,11 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
     if old_logp is None:
         old_logp = logp.detach()
     loss, m = policy_loss(logp, old_logp, adv, msk, clip_low=algo.clip_low,
-                          clip_high=algo.clip_high,
+                          clip_high=algo.clip_high, dual_clip=algo.dual_clip,
                           ratio_level="sequence" if algo.seq_level_ratio else "token",
                           agg=algo.loss_agg, norm_len=norm_len, denom=denom,
-                          rollout_logp=mb.rollout_logp, tis_cap=algo.tis_cap)
+                          rollout_logp=mb.rollout_logp, mismatch=algo.mismatch,
+                          tis_cap=algo.tis_cap, entropy=ent, entropy_coef=algo.entropy_coef)
     if ref_logp is not None and kl_coef > 0 and not algo.kl_in_reward:
         kl_l, _ = kl_loss(logp, ref_logp, msk, kind=algo.kl_estimator, agg=algo.loss_agg,
                           norm_len=norm_len, denom=denom)
@@ -57,22 +59,11 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
                                 agg=algo.loss_agg, norm_len=norm_len, denom=denom)
         loss = loss + algo.vf_coef * v_loss
         m.update(vm)
-    with torch.no_grad():
-        m["entropy"] = float((ent * msk).sum() / msk.sum().clamp(min=1))
+    with torch.no_grad():  # (the entropy's metric comes from policy_loss)
         if ref_logp is not None:
             m["kl"] = float((kl_estimate(logp, ref_logp, algo.kl_estimator) * msk).sum()
                             / msk.sum().clamp(min=1))
     return loss, m
-
-
-def lr_at(t, step: int) -> float:
-    """The learning rate of optimizer step ``step`` (``train.*``: warmup, then constant or
-    cosine down to ``min_lr``)."""
-    warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
-    if t.lr_schedule == "cosine":
-        frac = min(1.0, step / max(1, t.max_steps))
-        return t.min_lr + (t.lr - t.min_lr) * warm * 0.5 * (1 + math.cos(math.pi * frac))
-    return t.lr * warm
 
 
 def mean_metrics(metrics: list[dict], epochs: int = 1) -> dict:
@@ -146,7 +137,9 @@ class Updater:
         micro-batches while nothing is applied yet (True: StepAbandoned)."""
         if self.mode_matters:
             self.model.train()
-        lr = lr_at(self.cfg.train, version)
+        t = self.cfg.train
+        lr = lr_at(version, t.lr, warmup=t.warmup_steps, total=t.max_steps,
+                   schedule=t.lr_schedule, min_lr=t.min_lr)
         for g in self.opt.param_groups:
             g["lr"] = lr
         mask = scored.mask

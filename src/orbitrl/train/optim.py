@@ -585,3 +585,24 @@ def build_optimizer(name: str, params, lr: float, *, clip: str | None = None,
 
 def is_fused(opt) -> bool:
     return isinstance(opt, FusedOptimizer)
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(step: int, lr: float, *, warmup: int = 0, total: int = 0,
+          schedule: str = "constant", min_lr: float = 0.0) -> float:
+    """The learning rate of optimizer step ``step`` (0-based), the one schedule of RL
+    (``train.lr``, ``warmup_steps``, ``max_steps``, ``lr_schedule``, ``min_lr``; ``rl/update.py``)
+    and SFT (``train/sft.py``: cosine to 0): a linear warmup factor ``(step + 1) / warmup``
+    over the first ``warmup`` steps (0: none), then constant, or cosine from ``lr`` down to
+    ``min_lr`` at step ``total`` (and ``min_lr`` after it). Under warmup the cosine's part
+    above ``min_lr`` is scaled."""
+    warm = min(1.0, (step + 1) / warmup) if warmup else 1.0
+    if schedule == "cosine":
+        frac = min(1.0, step / max(1, total))
+        return min_lr + (lr - min_lr) * warm * 0.5 * (1 + math.cos(math.pi * frac))
+    if schedule != "constant":
+        raise OrbitError(f"unknown lr schedule {schedule!r} (choose from "
+                         f"{', '.join(LR_SCHEDULES)})")
+    return lr * warm

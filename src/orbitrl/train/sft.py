@@ -6,7 +6,6 @@ Used to warm-start the built-in model so RL has something to improve, and expose
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from orbitrl.model.decoder import Decoder
+from orbitrl.train.optim import lr_at
 
 
 @dataclass
@@ -74,14 +74,12 @@ def train_sft(model: Decoder, pairs, cfg: SFTConfig, progress=None, start: int =
     rng = random.Random(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    def lr_at(s):
-        return cfg.lr * min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
 
     model.train()
     losses = []
     for step in range(start, cfg.steps if stop is None else stop):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(step, cfg.lr, warmup=cfg.warmup, total=cfg.steps, schedule="cosine")
         batch = rng.sample(pairs, min(cfg.batch_size, len(pairs)))
         loss = sft_loss(model, batch)
         opt.zero_grad(set_to_none=True)
