@@ -62,7 +62,8 @@ def last_number_correct(reply: str, answer: str) -> bool:
 
 
 # ---- the systems (each in its own process) ---------------------------------------------
-def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path):
+def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path,
+                reward: str = "arithmetic"):
     import yaml
 
     cfg = {"model": {"path": str(model), "base_dtype": "fp32"},
@@ -72,7 +73,10 @@ def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path):
                        "max_tokens": SETTINGS["max_tokens"]},
            "algo": {"name": "grpo", "kl_coef": 0.0},
            "data": {"train": str(data), "heldout_size": 20, "chat_template": True},
-           "reward": {"name": "arithmetic"},
+           "reward": {"name": reward},
+           # validation during training (orbitrl's strict grader, greedy, 20 held-out
+           # questions every 10 steps): when it reached TRL's final accuracy
+           "eval": {"every": 10, "grader": "answer"},
            "checkpoint": {"every": 0}, "log": {"progress": False}}
     if mode == "adapter":
         cfg["train"]["lr"] = SETTINGS["adapter_lr"]
@@ -86,7 +90,18 @@ def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path):
     # the training loop's seconds (the summary's wall time adds loading and the held-out
     # evaluations before and after)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the training reward and the in-run held-out accuracy over the loop's seconds
+    t, curve, rewards = 0.0, [], []
+    for r in rows:
+        t += r.get("time_step_s", 0.0)
+        if "reward_mean" in r:
+            rewards.append(r["reward_mean"])
+        if "heldout_accuracy" in r:
+            curve.append((t, r["heldout_accuracy"]))
+    k = max(1, min(10, len(rewards) // 2))
     (out / "result.json").write_text(json.dumps({
+        "curve": curve, "reward_first": sum(rewards[:k]) / k,
+        "reward_last": sum(rewards[-k:]) / k,
         "steps": s["steps"], "seconds": sum(r.get("time_step_s", 0.0) for r in rows),
         "train_seconds": seconds,
         "policy": str(run / "checkpoints" / "final"), "adapter": mode == "adapter",
@@ -223,7 +238,10 @@ def main(argv=None):
     ap.add_argument("--heldout", type=int, default=100, help="held-out questions")
     ap.add_argument("--modes", default="adapter,full")
     ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
-    ap.add_argument("--worker", choices=("orbitrl", "trl", "trl_gc", "eval"),
+    ap.add_argument("--systems", default="trl,trl_gc,orbitrl",
+                    help="which runs (trl, trl_gc: adapter mode only, orbitrl, orbitrl_math: "
+                         "orbitrl with its built-in math reward instead of the shared one)")
+    ap.add_argument("--worker", choices=("orbitrl", "orbitrl_math", "trl", "trl_gc", "eval"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -235,8 +253,9 @@ def main(argv=None):
     model = Path(args.model) if args.model else default_model()
     if args.worker:  # one system's run, or one evaluation, in this process
         d = Path(args.dir)
-        if args.worker == "orbitrl":
-            run_orbitrl(model, args.mode, args.seconds, d / "train.jsonl", Path(args.policy))
+        if args.worker in ("orbitrl", "orbitrl_math"):
+            run_orbitrl(model, args.mode, args.seconds, d / "train.jsonl", Path(args.policy),
+                        "math" if args.worker == "orbitrl_math" else "arithmetic")
         elif args.worker in ("trl", "trl_gc"):
             run_trl(model, args.mode, args.seconds, d / "train.jsonl", Path(args.policy),
                     args.worker == "trl_gc")
@@ -260,7 +279,9 @@ def main(argv=None):
                "base": evaluate_in_process(None, False), "runs": []}
     print(f"base model: held-out {results['base']['heldout']:.2f}", flush=True)
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        systems = ["trl"] + (["trl_gc"] if mode == "adapter" else []) + ["orbitrl"]
+        want = [x.strip() for x in args.systems.split(",")]
+        systems = [x for x in ("trl", "trl_gc", "orbitrl", "orbitrl_math") if x in want
+                   and not (x == "trl_gc" and mode != "adapter")]
         for system in systems:
             d = out / f"{system}-{mode}"
             d.mkdir(exist_ok=True)
@@ -279,7 +300,7 @@ def main(argv=None):
 
 def print_table(results: dict):
     names = {"trl": "TRL GRPOTrainer", "trl_gc": "TRL, gradient checkpointing",
-             "orbitrl": "orbitrl"}
+             "orbitrl": "orbitrl", "orbitrl_math": "orbitrl, reward.name=math"}
     print(f"\n{results['seconds']:.0f} s of training each; held-out: "
           f"{results['heldout']} questions, greedy transformers generate; base model "
           f"{results['base']['heldout']:.2f} (strict {results['base']['heldout_strict']:.2f})")
@@ -294,6 +315,21 @@ def print_table(results: dict):
             print(f"| {mode} | {names[r['system']]} | {r['steps']} | "
                   f"{r['seconds'] / max(1, r['steps']):.1f} | {r['peak_rss'] / 2**20:,.0f} MiB | "
                   f"{ratio} | {r['heldout']:.2f} | {r['heldout_strict']:.2f} |")
+    print("\norbitrl's runs: training reward (first -> last 10 steps), and when its in-run "
+          "held-out accuracy (strict, 20 questions) first reached TRL's final accuracy")
+    for r in results["runs"]:
+        if not r["system"].startswith("orbitrl"):
+            continue
+        trl = next((x for x in results["runs"] if x["system"] == "trl"
+                    and x["mode"] == r["mode"]), None)
+        reach = "-"
+        if trl is not None:
+            hit = next((t for t, a in r.get("curve", []) if a >= trl["heldout_strict"]), None)
+            reach = (f"{hit:.0f} s ({hit / trl['seconds']:.2f}x TRL's {trl['seconds']:.0f} s)"
+                     if hit is not None else "not reached")
+        print(f"- {r['mode']} / {names[r['system']]}: reward {r.get('reward_first', 0):.2f} "
+              f"-> {r.get('reward_last', 0):.2f}; reached TRL's {trl['heldout_strict'] if trl else 0:.2f}: "
+              f"{reach}")
 
 
 if __name__ == "__main__":
