@@ -31,7 +31,7 @@ def _require(section, name: str, keys, ok, what: str):
 @dataclass
 class ModelSection:
     path: str = BUILTIN_MODEL  # HF model directory, or the built-in tiny model
-    base_dtype: Literal["fp32", "bf16", "int8", "nf4"] = "nf4"  # frozen base storage
+    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4"] = "auto"  # frozen base storage (adapter mode); auto: the widest of the compute dtype, int8 and nf4 whose predicted peak stays within a quarter of the memory free at start (ledger/runtime.py choose_base_dtype; nf4 under torchrun)
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype (fp32 on CPUs)
     device: str = "auto"  # auto, cpu, cuda or cuda:N
     # keep the frozen base's projections dequantized (compute dtype) when they fit in this
@@ -80,6 +80,7 @@ class TrainSection:
     micro_batch_tokens: int = 0  # tokens per forward/backward micro-batch; 0 = auto: adapter mode, the most whose saved activations stay within the weights' bytes (at least 256 MB), shared by the side-by-side workers, at most 4096; full mode 4096 (its fused update steps per micro-batch) (ledger/runtime.py auto_micro_batch_tokens)
     recompute: Literal["auto", True, False] = "auto"  # activation checkpointing: each decoder layer keeps its input and reruns in backward; auto: on in full mode when the micro-batch's saved activations would exceed the weights' bytes (at least 256 MB), off in adapter mode (the micro-batch is cut instead) (ledger/runtime.py resolve_recompute)
     tiers: int = 0  # full mode: 0 off; k >= 1 keeps the decoder layers (and the reference's) in host memory, pinned on CUDA, and copies each to the device just before use, k layers ahead on a side stream; implies recompute
+    offload_activations: bool = False  # each recomputed decoder layer's saved input (all that recompute keeps for backward) copied to host memory, pinned on CUDA, in forward and back in backward; the shared rotary tables stay; implies recompute (refused with train.recompute false); on a CPU the host copies are separate buffers and save nothing (model/decoder.py ActivationOffload)
     hand_back_memory: bool = True  # release the allocator's cache between phases
     threads: int = 1  # intra-op CPU threads per Python thread (0: torch's default)
     workers: int = 0  # scoring and training micro-batches side by side on this many CPU threads, one core each (rl/parallel.py; the batch is cut into at least this many); 0 = auto: the cores (at most 2); always 1 on a GPU, under torchrun, in full mode, for mixtures, PPO, LoRA dropout, rollout.overlap or threads != 1
@@ -95,6 +96,10 @@ class TrainSection:
                              f"{opt} (grouped relies on AdaLomo's per-tensor update "
                              f"normalization), got grouped")
         _require(self, "train", ("tiers",), lambda v: v >= 0, ">= 0")
+        if self.offload_activations and self.recompute is False:
+            raise OrbitError("config key 'train.offload_activations' needs recompute (it moves "
+                             "the layer inputs recompute keeps; without it each layer saves "
+                             "its own activations): set train.recompute true or auto")
         _require(self, "train", ("workers", "micro_batch_tokens"), lambda v: v >= 0,
                  ">= 0 (0 = auto)")
         if self.tiers and self.mode != "full":
@@ -157,6 +162,7 @@ class AlgoSection:
     value_lr: float = 1e-3  # PPO: critic (value head) learning rate
     value_clip: float = 0.2  # PPO: value clipping range
     vf_coef: float = 0.5  # PPO: weight of the value loss
+    critic_max_grad_norm: float = 1.0  # PPO: the value head's gradient is clipped to this global norm before each of its steps (one per micro-batch)
     anchor_refresh_steps: int = 200
     anchor_kl_threshold: float = 0.3
     check: bool = False  # assert RL invariants in the loop (KL 0 and ratio 1 at step 0)
@@ -169,6 +175,7 @@ class AlgoSection:
             self.mismatch = "off"
         _require(self, "algo", ("dual_clip",), lambda v: v == 0 or v > 1, "0 (off) or > 1")
         _require(self, "algo", ("entropy_coef",), lambda v: v >= 0, ">= 0")
+        _require(self, "algo", ("critic_max_grad_norm",), lambda v: v > 0, "> 0")
         if self.mismatch == "mis":
             _require(self, "algo", ("tis_cap",), lambda v: v >= 1,
                      ">= 1 with algo.mismatch mis (it keeps ratios in [1 / tis_cap, tis_cap])")
@@ -323,6 +330,7 @@ class EnvSection:
     tool_call_end: str = "</tool_call>"  # marker closing a tool call (also where a turn stops)
     tool_call_format: Literal["json", "plain"] = "json"  # json: {"name", "arguments"}; plain: name:args or args (the first tool)
     tool_results: Literal["auto", "template", "plain"] = "auto"  # results as tool messages through the chat template (auto: when data.chat_template is on), or as result_template text
+    tools_prompt: Literal["auto", "template", "system"] = "auto"  # how the model is told of its tools (chat prompts): template (the chat template renders `tools`), system (a system message describing each tool and the call syntax, for templates that ignore `tools`, e.g. SmolLM2's); auto: template when it renders them, else system
     result_template: str = "<tool_response>\n{result}\n</tool_response>\n"  # plain results: the text appended after a tool-calling turn
     max_output_chars: int = 2048  # a tool's output is cut to this many characters
     log_trajectories: int = 2  # trajectories per step written to trajectories.jsonl

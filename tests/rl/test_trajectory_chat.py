@@ -97,7 +97,11 @@ def test_qwen_style_tool_call_through_the_chat_template(chat_model, monkeypatch)
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
-def test_a_template_that_ignores_tools_is_warned_about(chat_model):
+def test_a_template_that_ignores_tools_gets_them_in_a_system_message(chat_model):
+    """``env.tools_prompt`` auto: a template that renders ``tools`` lists them itself; one
+    that ignores them (SmolLM2's) gets a system message describing each tool and the call
+    syntax; ``template`` keeps the template's prompt and warns that the model never sees
+    them."""
     model, tok = chat_model
     plain = _tokenizer()
     plain.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + "
@@ -108,11 +112,26 @@ def test_a_template_that_ignores_tools_is_warned_about(chat_model):
     cfg.data.chat_template = True
     cfg.env.name, cfg.env.tool_results = "tools", "template"
     schemas = tool_schemas(build_tools(["calculator"]))
-    for t, warns in ((plain, True), (tok, False)):
+
+    def prompt(t, mode):
+        cfg.env.tools_prompt = mode
         loop = TurnLoop(Engine(model, t, kv_budget_bytes=1 << 20), t, None, cfg, schemas)
-        with pytest.warns(UserWarning, match="ignores `tools`") if warns else \
-                _no_warning():
-            loop.fmt.prompt("1+1=", None)
+        ids, messages = loop.fmt.prompt("1+1=", None)
+        return t.decode(ids), messages
+
+    with _no_warning():
+        text, messages = prompt(plain, "auto")
+    assert [m["role"] for m in messages] == ["system", "user"]
+    sys = messages[0]["content"]
+    assert text.startswith("<|im_start|>system\n" + sys) and "calculator" in sys
+    assert '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>' \
+        in sys  # the run's call syntax, as the turn parser reads it
+    with _no_warning():  # a template that renders tools: no system message of ours
+        text, messages = prompt(tok, "auto")
+    assert [m["role"] for m in messages] == ["user"] and "calculator" in text
+    with pytest.warns(UserWarning, match="ignores `tools`"):
+        text, messages = prompt(plain, "template")
+    assert [m["role"] for m in messages] == ["user"] and "calculator" not in text
 
 
 class _no_warning:

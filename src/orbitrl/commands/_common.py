@@ -26,6 +26,6 @@ def packed_bytes(args) -> int:
 
 
 def config_from_args(args):
-    from orbitrl.config import load_config
+    from orbitrl.config import load_config  # start-up: not on --help's path
 
     return load_config(args.config, args.overrides)

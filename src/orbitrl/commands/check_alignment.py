@@ -44,37 +44,37 @@ def add_arguments(parser):
 
 
 def _load(path, fmt: str, adapter: str | None):
-    from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.rl.policy import load_base
+    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
+    from orbitrl.rl.policy import load_base  # start-up: not on --help's path
 
     model = load_base(resolve_model_path(path), None if fmt == "fp32" else fmt, "float32",
                       "cpu")
     if adapter:
-        from orbitrl.model.adapters import load_adapters
+        from orbitrl.model.adapters import load_adapters  # start-up: not on --help's path
 
         load_adapters(model, adapter)
     return model
 
 
 def _prompts(args, tok) -> list[list[int]]:
-    from orbitrl.evals.alignment import DEFAULT_PROMPTS
-    from orbitrl.model.tokenizer import encode_prompt
+    from orbitrl.evals.alignment import DEFAULT_PROMPTS  # start-up: not on --help's path
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: not on --help's path
 
     texts = DEFAULT_PROMPTS
     if args.prompts:
-        from orbitrl.data.datasets import load_rows
+        from orbitrl.data.datasets import load_rows  # start-up: not on --help's path
 
         texts = [str(r["prompt"]) for r in load_rows(args.prompts, ["prompt"])]
     return [encode_prompt(tok, t, args.chat_template) for t in texts]
 
 
 def run(args) -> int:
-    import torch
+    import torch  # start-up: not on --help's path
 
-    from orbitrl.evals.alignment import measure
-    from orbitrl.model import load_tokenizer
-    from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.observe.alignment import AlignmentBounds, violations
+    from orbitrl.evals.alignment import measure  # start-up: not on --help's path
+    from orbitrl.model import load_tokenizer  # start-up: not on --help's path
+    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
+    from orbitrl.observe.alignment import AlignmentBounds, violations  # start-up: not on --help's path
 
     if args.max_tokens < 1 or args.top_k < 1:
         raise OrbitError("--max-tokens and --top-k must be >= 1")

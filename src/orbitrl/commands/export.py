@@ -17,7 +17,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from orbitrl.config import load_config
+    from orbitrl.config import load_config  # start-up: not on --help's path
 
     run_dir = Path(args.run_dir)
     cfg_file = run_dir / "config.yaml"
@@ -36,17 +36,18 @@ def run(args) -> int:
         shutil.copytree(final, out, dirs_exist_ok=True)
         print(f"exported {final} -> {out}")
         return 0
-    from orbitrl.model import load_model, load_tokenizer
-    from orbitrl.model.adapters import load_adapters, save_merged
-    from orbitrl.model.builtin import resolve_model_path
+    from orbitrl.model import load_model, load_tokenizer  # start-up: not on --help's path
+    from orbitrl.model.adapters import load_adapters, save_merged, trained_base  # start-up: not on --help's path
+    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
 
     path = resolve_model_path(cfg.model.path).resolve()
     if args.format == "peft":
         shutil.copytree(final, out, dirs_exist_ok=True)
         _complete_peft_dir(out, path)
         print(f"exported adapters {final} -> {out} (base {path})")
-        if cfg.model.base_dtype != "fp32":
-            print(f"note: trained over a {cfg.model.base_dtype} base (recorded in "
+        base = trained_base(final) or cfg.model.base_dtype
+        if base not in ("fp32", "auto"):
+            print(f"note: trained over a {base} base (recorded in "
                   f"{out / 'orbitrl_base.json'}); over the full-precision weights peft loads, "
                   f"its answers differ: `orbitrl eval --adapter {out}` uses the same base")
         return 0
@@ -63,8 +64,8 @@ def _complete_peft_dir(out: Path, base: Path):
     ``AutoPeftModelForCausalLM.from_pretrained(out)`` loads the directory alone."""
     import json
 
-    from orbitrl.model import load_tokenizer
-    from orbitrl.model.adapters import CONFIG_NAME
+    from orbitrl.model import load_tokenizer  # start-up: not on --help's path
+    from orbitrl.model.adapters import CONFIG_NAME  # start-up: not on --help's path
 
     cfg_file = out / CONFIG_NAME
     try:

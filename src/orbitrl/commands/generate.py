@@ -79,9 +79,9 @@ def run(args) -> int:
     import time
 
     import orbitrl
-    from orbitrl.engine import Engine, Request, SamplingParams
-    from orbitrl.ledger.runtime import engine_kv_dtype
-    from orbitrl.model.tokenizer import encode_prompt
+    from orbitrl.engine import Engine, Request, SamplingParams  # start-up: not on --help's path
+    from orbitrl.ledger.runtime import engine_kv_dtype  # start-up: not on --help's path
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: not on --help's path
 
     src = Path(args.prompts)
     if not src.is_file():

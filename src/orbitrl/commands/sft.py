@@ -35,14 +35,14 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    import torch
-    from tqdm import tqdm
+    import torch  # start-up: not on --help's path
+    from tqdm import tqdm  # start-up: not on --help's path
 
-    from orbitrl.data.datasets import load_rows, task_rows
+    from orbitrl.data.datasets import load_rows, task_rows  # start-up: not on --help's path
     from orbitrl.errors import OrbitError
-    from orbitrl.model import load_model, load_tokenizer, save_pretrained
-    from orbitrl.model.builtin import resolve_model_path
-    from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft
+    from orbitrl.model import load_model, load_tokenizer, save_pretrained  # start-up: not on --help's path
+    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
+    from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: not on --help's path
 
     if args.limit < 0:
         raise OrbitError(f"--limit {args.limit}: must be >= 0 (0: every row)")

@@ -72,7 +72,7 @@ def _jsonl(p: Path) -> list[dict]:
 
 def _parquet(p: Path) -> list[dict]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: pyarrow, only for .parquet
     except ImportError:
         raise OrbitError(f"{p}: reading Parquet needs pyarrow (pip install pyarrow)") from None
     return pq.read_table(p).to_pylist()
@@ -80,7 +80,7 @@ def _parquet(p: Path) -> list[dict]:
 
 def _hf_dir(p: Path) -> list[dict]:
     try:
-        from datasets import load_from_disk
+        from datasets import load_from_disk  # optional: datasets
     except ImportError:
         raise OrbitError(f"{p}: reading a dataset directory needs datasets "
                          "(pip install datasets)") from None

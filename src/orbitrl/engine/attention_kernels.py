@@ -146,7 +146,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size,
     """
     _check(q, k_cache, k_scale, v_scale)
     if _use_triton(q, backend):
-        from orbitrl.engine import triton_attention
+        from orbitrl.engine import triton_attention  # optional: triton
 
         with _on(q):
             return triton_attention.decode(q, k_cache, v_cache, block_tables, context_lens,
@@ -204,7 +204,7 @@ def paged_prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale,
     """
     _check(q, k_cache, k_scale, v_scale)
     if _use_triton(q, backend):
-        from orbitrl.engine import triton_attention
+        from orbitrl.engine import triton_attention  # optional: triton
 
         with _on(q):
             return triton_attention.prefill(q, k_cache, v_cache, block_table, start,

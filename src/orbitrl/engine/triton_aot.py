@@ -90,11 +90,11 @@ def compiling_for(arch: int):
     """Within it, every Triton kernel launch compiles for ``sm_{arch}`` and returns without
     running (outputs are left unwritten); yields the list that collects each compiled
     kernel as ``(name, CompiledKernel)``."""
-    import triton.runtime.jit as jit
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
+    import triton.runtime.jit as jit  # optional: triton
+    from triton.backends.compiler import GPUTarget  # optional: triton
+    from triton.runtime import driver  # optional: triton
 
-    from orbitrl.engine import triton_attention as ta
+    from orbitrl.engine import triton_attention as ta  # optional: triton
 
     if ta.INTERPRETED:
         raise RuntimeError("orbitrl.engine.triton_attention was imported under "
@@ -144,7 +144,7 @@ VARIANTS = 7  # launches per (shape, KV dtype) in _launches
 
 def _launches(shape: AttentionShape, fp8: bool):
     """(variant name, thunk) for every launch kind, on small CPU tensors of the shape."""
-    from orbitrl.engine import triton_attention as ta
+    from orbitrl.engine import triton_attention as ta  # optional: triton
     from orbitrl.engine.attention_kernels import shared_prefix_groups
 
     dt = _DTYPES[shape.dtype]
@@ -179,7 +179,7 @@ def _launches(shape: AttentionShape, fp8: bool):
 
 def _resources(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, local bytes) per thread from ``cuobjdump -res-usage``; Nones without it."""
-    import triton
+    import triton  # optional: triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "cuobjdump")

@@ -10,6 +10,7 @@ the tools to the model.
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import threading
 
@@ -139,3 +140,25 @@ def tool_schemas(tools: dict) -> list[dict]:
                 "parameters": {"type": "object", "properties": {}}}}
         out.append(s)
     return out
+
+
+def describe_tools(schemas: list[dict], start: str, end: str, fmt: str) -> str:
+    """A system message that tells a model its tools and how to call them, for chat
+    templates that do not render ``tools`` (``env.tools_prompt: system``): one line per tool
+    (name, description, arguments) and an example call in the run's syntax."""
+    lines = ["You can use these tools:"]
+    for s in schemas:
+        f = s.get("function", s)
+        args = ", ".join(f"{k} ({v.get('type', 'string')})" for k, v in
+                         f.get("parameters", {}).get("properties", {}).items())
+        lines.append(f"- {f['name']}: {f.get('description', '').strip()}"
+                     + (f" Arguments: {args}." if args else ""))
+    f = schemas[0].get("function", schemas[0])
+    arg = next(iter(f.get("parameters", {}).get("properties", {})), None)
+    if fmt == "json":
+        call = json.dumps({"name": f["name"], "arguments": {arg: "..."} if arg else {}})
+    else:
+        call = f"{f['name']}: ..."
+    lines.append(f"To call a tool, write {start}{call}{end} and stop; its result comes back "
+                 f"in the next message. Then give the final answer.")
+    return "\n".join(lines)

@@ -105,14 +105,6 @@ def train_compute_seconds(active_params: int, tokens: float, recompute: bool,
     return per * active_params * tokens / (links.device_tflops * 1e12)
 
 
-def decode_step_seconds(read_bytes: float, gather_bytes: float, links: Links,
-                        overlap: bool) -> float:
-    """One decode iteration: bound by reading weights+KV from HBM, and by layer gathers."""
-    hbm = read_bytes / (links.hbm_gbps * GB)
-    net = gather_bytes / (links.interconnect_gbps * GB)
-    return max(hbm, net) if overlap else hbm + net
-
-
 def summarize(transfers: list[Transfer]) -> dict:
     """JSON-able bill: each transfer plus totals of bytes, link seconds and exposed seconds."""
     return {

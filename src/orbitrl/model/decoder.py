@@ -8,6 +8,7 @@ and PEFT adapter names map one to one (see ``weights.py``). Projections are plai
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from typing import Callable, Optional
 
@@ -158,6 +159,67 @@ class _Masks:
         return self.cache[window]
 
 
+_OFFLOAD_LOCK = threading.Lock()  # side-by-side workers (rl/parallel.py) share the counters
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype
+                      and a.device == b.device)
+
+
+class ActivationOffload:
+    """``Decoder.offload_activations``: the saved input of each recomputed decoder layer
+    (all that recompute keeps for backward) copied into a host buffer of its own in forward,
+    pinned when it comes from a CUDA device, and copied back to its device when backward
+    recomputes the layer.
+
+    It is a pair of saved-tensor hooks around each checkpointed layer. Checkpoint saves the
+    layer's tensor arguments outside its own hooks, so the hooks see exactly the hidden
+    state ``x`` and the rotary ``cos`` / ``sin``; those two are one pair shared by every
+    layer of the forward and stay as they are (``shared``), so only the hidden states move:
+    layers x tokens x hidden x element size bytes per forward. On a CPU the host buffer is
+    still a separate copy, so a CPU run takes the path a GPU run takes, at the cost of the
+    copies (host and device being one memory, nothing is saved there).
+
+    Counters, cumulative until ``reset()``: ``tensors_stored`` and ``bytes_to_host``
+    (forward), ``tensors_restored`` and ``bytes_from_host`` (backward).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.tensors_stored = self.bytes_to_host = 0
+        self.tensors_restored = self.bytes_from_host = 0
+
+    def hooks(self, *shared: torch.Tensor):
+        """The saved-tensor hooks for a forward's checkpointed layers (a context manager,
+        entered once per layer); ``shared``: tensors saved as they are."""
+
+        def pack(t: torch.Tensor):
+            if any(_same_tensor(t, s) for s in shared):
+                return t, None
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                               pin_memory=t.device.type == "cuda")
+            host.copy_(t)
+            with _OFFLOAD_LOCK:
+                self.tensors_stored += 1
+                self.bytes_to_host += host.numel() * host.element_size()
+            return host, t.device
+
+        def unpack(packed):
+            host, device = packed
+            if device is None:  # a shared tensor, never moved
+                return host
+            with _OFFLOAD_LOCK:
+                self.tensors_restored += 1
+                self.bytes_from_host += host.numel() * host.element_size()
+            return host.to(device, non_blocking=host.is_pinned())
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class Decoder(nn.Module):
     """Causal LM. ``forward`` returns logits [B, T, V] or, with ``return_hidden``, the final
     normed hidden states [B, T, H] (the trainer projects those chunk by chunk instead of
@@ -166,9 +228,10 @@ class Decoder(nn.Module):
     Attributes:
         recompute: recompute each decoder layer's activations in backward (saves the layer
             inputs only); used when training.
-        offload_activations: with ``recompute``, keep those saved layer inputs in (pinned)
-            host memory until backward needs them (``torch.autograd.graph.save_on_cpu``);
-            a no-op when the model already lives on the host.
+        offload_activations: with ``recompute``, keep those saved layer inputs in host
+            memory (pinned on CUDA) until backward needs them (``ActivationOffload``; its
+            byte and tensor counters are ``activation_offload``); without ``recompute``
+            nothing is offloaded. The config key ``train.offload_activations`` sets it.
         attention_fp64: fp32 attention on a CPU computed in fp64 and rounded back, by this
             forward and by the engine's paged attention (``model.attention.sdpa``).
     """
@@ -183,6 +246,7 @@ class Decoder(nn.Module):
         self.rotary = Rotary(cfg)
         self.recompute = False
         self.offload_activations = False
+        self.activation_offload = ActivationOffload()  # what offload_activations moved
         # mixtures: record/replay routing, router loss weights (moe.configure sets them)
         self.routing_replay = cfg.moe is not None
         self.router_aux_coef = self.router_z_coef = 0.0
@@ -221,14 +285,14 @@ class Decoder(nn.Module):
         masks = _Masks(seq_ids, positions, parent_ids, self.attention_fp64)
         if routing is not None:
             routing.valid = seq_ids.reshape(-1) >= 0
-        offload = (self.offload_activations and x.device.type != "cpu"
-                   and torch.is_grad_enabled())
+        recompute = self.recompute and torch.is_grad_enabled() and attn is None
+        # checkpoint saves the layer inputs outside its own hooks, so these hooks see
+        # exactly those: x moves to the host, the shared cos / sin stay
+        offload = self.activation_offload.hooks(cos, sin) \
+            if recompute and self.offload_activations else nullcontext()
         for layer in self.model.layers:
-            if self.recompute and torch.is_grad_enabled() and attn is None:
-                # checkpoint saves the layer inputs via save_for_backward, outside its own
-                # hooks, so save_on_cpu moves exactly those to the host
-                with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload \
-                        else nullcontext():
+            if recompute:
+                with offload:
                     x = checkpoint(layer, x, cos, sin, masks, None, routing,
                                    use_reentrant=False)
             else:

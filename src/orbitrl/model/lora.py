@@ -69,10 +69,6 @@ class LoRALinear(nn.Module):
         self.enabled = True
         self.reset_adapter()
 
-    @property
-    def quantized_base(self) -> bool:
-        return isinstance(self.base_layer, FrozenLinear) and self.base_layer.fmt != "fp32"
-
     def reset_adapter(self):
         """PEFT's init: A Kaiming-uniform, B zero (the adapter starts as the identity)."""
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))

@@ -46,11 +46,11 @@ def _torchao():
     ``torchao.quantization`` in 0.18; before, it lives in ``torchao.dtypes``."""
     from types import SimpleNamespace
 
-    from torchao.quantization import Int8Tensor
+    from torchao.quantization import Int8Tensor  # start-up: torchao takes ~1 s; only quantized bases
     try:
-        from torchao.quantization import NF4Tensor
+        from torchao.quantization import NF4Tensor  # start-up: torchao takes ~1 s; only quantized bases
     except ImportError:  # torchao < 0.18
-        from torchao.dtypes import NF4Tensor
+        from torchao.dtypes import NF4Tensor  # start-up: torchao takes ~1 s; only quantized bases
     return SimpleNamespace(Int8Tensor=Int8Tensor, NF4Tensor=NF4Tensor)
 
 
@@ -229,7 +229,7 @@ class FrozenLinear(nn.Module):
         if fmt in _PLAIN:
             self.register_buffer("weight", w.to(_PLAIN[fmt]).contiguous())
         elif fmt == "int8":
-            from torchao.quantization.granularity import PerRow
+            from torchao.quantization.granularity import PerRow  # start-up: torchao takes ~1 s; only quantized bases
             self.register_buffer("weight", _torchao().Int8Tensor.from_hp(
                 w.float().contiguous(), granularity=PerRow()))
         elif fmt == "nf4":
@@ -296,10 +296,6 @@ class FrozenLinear(nn.Module):
         """Resident bytes of the weight and its scales (what the ledger prices)."""
         stored = [self.qweight, self.scales] if self.fmt == "int4" else [self.weight]
         return storage_bytes(stored)
-
-    def resident_bytes(self) -> int:
-        """Everything this module holds: weight, scales and bias."""
-        return self.weight_bytes() + (0 if self.bias is None else storage_bytes([self.bias]))
 
     def dequantized_state(self) -> dict[str, torch.Tensor]:
         """HF-named tensors for export (``weight`` in fp32, ``bias``)."""

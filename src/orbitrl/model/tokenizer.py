@@ -14,7 +14,7 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
         path: model directory holding tokenizer files.
         vocab_size: rows of the model's embedding; a tokenizer with more tokens is an error.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up: transformers takes seconds
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -53,10 +53,10 @@ def _xs(rows: list[dict], x: str) -> list[float]:
 def overlay(run_dirs: list[Path], out_dir: Path, labels: list[str] | None = None,
             x: str = "step") -> Path:
     """Write one PNG per metric that any run logged, and compare.html; returns the page."""
-    import matplotlib
+    import matplotlib  # start-up: matplotlib, only for plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up: matplotlib, only for plots
 
     if x not in ("step", "time"):
         raise OrbitError(f"--x {x!r}: choose step or time")

@@ -3,6 +3,8 @@ waterfall (flops.py), from what the step's phases report."""
 
 from __future__ import annotations
 
+import time
+
 from orbitrl.observe.flops import measure_peak_flops, waterfall
 from orbitrl.observe.metrics import device_peak_bytes
 
@@ -69,3 +71,62 @@ class StepFlops:
         return waterfall(self.params, self.peak, sum(t for _, t, _ in timeline), timeline,
                          tokens if trained else 0, scoring_passes, train, self.frozen_base,
                          seconds, step_s)
+
+
+class StepRow:
+    """The step's metrics row, assembled from what its phases returned (rl/trainer.py).
+
+    Args:
+        device, engine, mem: where memory is measured, the engine (its KV pool's size) and
+            the run's MemoryProbe.
+        flops: the run's StepFlops; predictor: the planner's StepPredictor (None: no step
+            time prediction for this source).
+    """
+
+    def __init__(self, device, engine, mem, flops: StepFlops, predictor=None):
+        self.device, self.engine, self.mem = device, engine, mem
+        self.flops, self.predictor = flops, predictor
+        self.trajectories: list = []  # multi-turn: the last step's (run.py logs them)
+
+    def __call__(self, iteration: int, version: int, ro, sc, upd, timer, t_step: float,
+                 waited: float | None, source, back: dict) -> dict:
+        """``ro``/``sc``/``upd``: the rollout, the scored step and the update; ``t_step``:
+        when the step began; ``source``: the rollout source (its columns and rollout
+        rates); ``back``: the memory handed back before training."""
+        row = {"step": iteration, "watchdog": ro.watchdog, **ro.governor}
+        if waited is not None:
+            row["time_wait_rollout_s"] = waited
+        row.update(back)
+        row.update(source.row())
+        row.update(sc.metrics)
+        if sc.batch is not None:
+            row.update(sc.batch.metrics)
+        row.update(upd.metrics)
+        seconds = {**ro.seconds, **timer.seconds}
+        row["policy_version"] = version
+        row.update(sample_metrics(ro.samples, ro.gen_tokens, ro.seconds))
+        row.update(ro.env)  # multi-turn: turns, tool calls, waits, swapped KV, prefill
+        row.update(phase_metrics(self.device, self.engine.pool.num_blocks, seconds, timer,
+                                 self.mem))
+        if sc.anything:
+            step_s = time.perf_counter() - t_step
+            row["time_step_s"] = step_s
+            b = sc.batch
+            row.update(self.flops(b.tokens if b else 0, b.scoring_passes if b else 0,
+                                  b is not None, ro.timeline, seconds, ro.seconds, step_s,
+                                  waited))
+            row.update(self.predicted(ro, seconds, row, waited, source))
+        return row
+
+    def predicted(self, ro, seconds: dict, row: dict, waited, source) -> dict:
+        """The planner's step time from the measured rates (observe/schedule.py)."""
+        if self.predictor is None:
+            return {}
+        g = {k: seconds.get(k, 0.0) for k in ("rollout", "reward", "score", "train")}
+        sync = row.get("time_sync_s", 0.0)
+        lens, gen, step_s, width, gen_rate, front = source.rates(ro, seconds, row, waited)
+        other = row["time_step_s"] - front - g["reward"] - g["score"] - g["train"] - sync
+        return self.predictor(
+            lens, rollout_s=g["rollout"], engine_step_s=step_s, width=width,
+            score_s=g["score"] + g["reward"], train_s=g["train"], sync_s=sync, other_s=other,
+            gen_tokens=gen, gen_tok_s=gen_rate)

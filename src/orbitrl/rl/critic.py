@@ -23,3 +23,12 @@ class ValueHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [M, H] (detached by the caller) -> values [M]
         return self.net(hidden.float()).squeeze(-1)
+
+
+def build_critic(algo, hidden_size: int, device):
+    """PPO's value head and its AdamW (``algo.value_lr``); (None, None) for the other
+    algorithms."""
+    if algo.name != "ppo":
+        return None, None
+    critic = ValueHead(hidden_size).to(device)
+    return critic, torch.optim.AdamW(critic.parameters(), lr=algo.value_lr)

@@ -13,6 +13,7 @@ own layers on the same tiers (and the reference's, with the same prefetch depth)
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import torch
 
 from orbitrl.config import Config
 from orbitrl.errors import OrbitError
-from orbitrl.ledger.runtime import reference_needed
+from orbitrl.engine.governor import available_memory
+from orbitrl.ledger.runtime import choose_base_dtype, reference_needed
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
@@ -62,12 +64,38 @@ def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
     return model
 
 
+def policy_tokenizer(cfg: Config):
+    """The run's tokenizer, before the weights load (its prompts' length prices the run)."""
+    path = resolve_model_path(cfg.model.path)
+    vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    return load_tokenizer(path, vocab)
+
+
+def resolve_base(cfg: Config, device, prompt_len: int, distributed: bool):
+    """``model.base_dtype: auto`` made concrete in ``cfg`` (every later reader, the saved
+    config and the adapters' recorded base see the choice): the ledger's
+    ``choose_base_dtype`` for these prompts and the memory free now; nf4 under torchrun
+    (every rank must choose alike, whatever its own free memory)."""
+    if cfg.model.base_dtype != "auto":
+        return
+    if distributed:
+        cfg.model.base_dtype = "nf4" if cfg.train.mode == "adapter" else "fp32"
+        return
+    path = resolve_model_path(cfg.model.path)
+    hf = json.loads((path / "config.json").read_text())
+    cfg.model.base_dtype = choose_base_dtype(cfg, hf, prompt_len, torch.device(device).type,
+                                             available_memory(device))
+
+
 def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
     """The policy as the run trains it; ``reference=False`` skips full mode's int8
     reference (a rollout rank of separate pools never scores), as does a run without a KL
     term (``ledger.runtime.reference_needed``)."""
     path = resolve_model_path(cfg.model.path)
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
+    # auto: the trainer resolved it for its prompts (resolve_base); any other caller (a
+    # rollout rank) gets what every rank of a torchrun run gets
+    resolve_base(cfg, device, 0, distributed=True)
     if cfg.train.mode == "adapter":
         from orbitrl.model.lora import adapter_parameters, apply_lora
 
@@ -99,7 +127,10 @@ def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
             ref_residency = place_on_tiers(reference, device, tiers or 2)
     # (train.recompute auto is resolved by the trainer once the prompts' length is known:
     # ledger/runtime.py resolve_recompute)
-    model.recompute = cfg.train.recompute is True or cfg.train.tiers > 0
+    model.recompute = cfg.train.recompute is True or cfg.train.tiers > 0 or \
+        cfg.train.offload_activations
+    # the layer inputs recompute keeps, held in host memory between forward and backward
+    model.offload_activations = cfg.train.offload_activations
     model.attention_fp64 = cfg.model.attention_fp64
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
     tok = load_tokenizer(path, model.config.vocab_size)

@@ -38,8 +38,8 @@ class Refill:
     """The step's judged rollout, with dynamic sampling's refill rounds.
 
     Args:
-        cfg: the run's Config (``algo.dynamic_sampling``, ``algo.dynamic_sampling_rounds``,
-            ``rollout.prompts_per_step``, ``rollout.timeout_s``).
+        algo, rollout: the run's ``algo`` and ``rollout`` sections (``dynamic_sampling``,
+            ``dynamic_sampling_rounds``; ``prompts_per_step``, ``timeout_s``).
         rollouts: the run's ``rl.rollout.Rollouts``.
         judge: ``Scorer.judge`` (a round's rewards, as the first round's).
         informative: ``Scorer.informative`` (a judged rollout -> this rank's groups whose
@@ -47,8 +47,8 @@ class Refill:
         coll: the Collective (the informative groups and the watchdog counted over ranks).
     """
 
-    def __init__(self, cfg, rollouts, judge, informative, coll):
-        self.cfg, self.rollouts, self.judge = cfg, rollouts, judge
+    def __init__(self, algo, rollout, rollouts, judge, informative, coll):
+        self.algo, self.rollout_cfg, self.rollouts, self.judge = algo, rollout, rollouts, judge
         self.informative, self.coll = informative, coll
 
     def __call__(self, seed_index: int, version: int, stop, stop_error: type, timer,
@@ -62,7 +62,7 @@ class Refill:
                                             eval_mode, prompts, first, timeout_s), timer)
 
         ro = draw()
-        algo, P = self.cfg.algo, self.cfg.rollout.prompts_per_step
+        algo, P = self.algo, self.rollout_cfg.prompts_per_step
         if not algo.dynamic_sampling:
             return ro
         drawn, rounds = P, 0
@@ -79,7 +79,7 @@ class Refill:
     def _standing(self, ro: Rollout, timer) -> tuple[int, float | None]:
         """(informative groups over every rank, the watchdog seconds this rank has left:
         None without a limit, 0.0 when any rank's is spent)."""
-        limit = self.cfg.rollout.timeout_s
+        limit = self.rollout_cfg.timeout_s
         left = limit - timer.seconds.get("rollout", 0.0) if limit else None
         t = torch.tensor([float(self.informative(ro)), float(left is not None and left <= 0)],
                          dtype=torch.float64)

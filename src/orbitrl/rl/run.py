@@ -72,6 +72,8 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=coll.dist)
     clock = RunClock()
     trainer = RLTrainer(cfg, train_rows, held, dist=coll.dist, roles=roles)
+    if coll.is_main:  # with what the trainer chose for auto keys (model.base_dtype)
+        save_config(cfg, run_dir / "config.yaml")
     echo(f"orbitrl train: {cfg.algo.name} / {cfg.train.mode} on {trainer.policy.path.name} "
          f"({sum(p.numel() for p in trainer.policy.trainable):,} trainable params), "
          f"{len(train_rows)} train prompts, {len(held)} held-out")
@@ -186,7 +188,7 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
     if start.rewards is None:  # every step's mean reward: the summary's averages
         start.rewards = [r["reward_mean"] for r in log.kept]
     stop = _StopSignals()
-    if not coll.enabled and not cfg.rollout.overlap and trainer.pool is None:
+    if trainer.source.abandonable:
         # a stop request abandons the step in flight (minutes on a real model on CPUs);
         # overlapped, the producer is cancelled on close and the trained step finishes
         trainer.should_stop = lambda: stop.signal is not None

@@ -18,7 +18,6 @@ import torch
 
 from orbitrl.config import AlgoSection
 from orbitrl.errors import OrbitError
-from orbitrl.ledger.runtime import micro_batch_tokens
 from orbitrl.model.decoder import inference_safe
 from orbitrl.rewards import RewardSource, get_reward
 from orbitrl.rl import advantages as A
@@ -136,7 +135,11 @@ class Scorer:
     """Rewards, reference, values and advantages for the run's steps.
 
     Args:
-        cfg: the run's Config.
+        algo, rollout, data: the run's ``algo``, ``rollout`` and ``data`` sections.
+        mb_tokens: tokens per micro-batch (``ledger.runtime.micro_batch_tokens``: the key,
+            or the ledger's auto choice the memory prediction prices).
+        frozen_base: adapter mode (the step-0 KL check's tolerance).
+        replay_check_every: ``moe.replay_check_every``.
         model: the policy; ``device`` where its batches go.
         runner: the RewardRunner of the run's reward sources.
         anchors, kl_ctl: the reference anchors and the KL controller.
@@ -148,24 +151,23 @@ class Scorer:
             side (the batch is cut into at least that many micro-batches).
     """
 
-    def __init__(self, cfg, model, device, runner, anchors, kl_ctl, critic, opt, coll,
-                 workers=None):
-        self.cfg, self.algo, self.model, self.device = cfg, cfg.algo, model, device
+    def __init__(self, algo, rollout, data, model, device, runner, anchors, kl_ctl, critic,
+                 opt, coll, workers=None, *, mb_tokens: int, frozen_base: bool = True,
+                 replay_check_every: int = 0):
+        self.algo, self.rollout_cfg, self.data = algo, rollout, data
+        self.model, self.device = model, device
         self.runner, self.anchors, self.kl_ctl = runner, anchors, kl_ctl
         self.critic, self.opt, self.coll = critic, opt, coll
         self.workers = workers or Workers(1)
-        # train.micro_batch_tokens, or the ledger's auto choice for this model, device,
-        # recompute setting and side-by-side workers (what the memory prediction prices)
-        self.mb_tokens = micro_batch_tokens(
-            cfg, model.config.hf, torch.device(model.device).type,
-            bool(getattr(model, "recompute", False)), self.workers.n, coll.world)
-        t = cfg.rollout.temperature
+        self.mb_tokens, self.frozen_base = mb_tokens, frozen_base
+        self.replay_check_every = replay_check_every
+        t = rollout.temperature
         self.T = t if t > 0 else 1.0
 
     def judge(self, rollout: Rollout, timer) -> Rollout:
         """The verifiers' rewards for the rollout's samples (an empty rank's too: it joins
         the others' collectives after)."""
-        d = self.cfg.data
+        d = self.data
         samples = rollout.samples
         if samples or self.coll.enabled:
             with timer.phase("reward"):
@@ -178,7 +180,7 @@ class Scorer:
     def informative(self, rollout: Rollout) -> int:
         """This rank's groups of a judged rollout that dynamic sampling keeps (their
         rewards, as training shapes them, are not all equal): refill.py's count."""
-        r, samples = self.cfg.rollout, rollout.samples
+        r, samples = self.rollout_cfg, rollout.samples
         if not samples:
             return 0
         rewards = shaped_rewards(rollout.rewards.rewards, samples, self.algo, r.max_tokens)
@@ -187,7 +189,7 @@ class Scorer:
     def __call__(self, rollout: Rollout, version: int, timer, stop) -> StepScore:
         """Shape, select and score a judged rollout; ``version`` is the policy version the
         update will train (the staleness reference, step 0's checks)."""
-        r, samples = self.cfg.rollout, rollout.samples
+        r, samples = self.rollout_cfg, rollout.samples
         if not self.coll.any(bool(samples)):  # the watchdog dropped every group
             return StepScore({"reward_mean": 0.0, "step_skipped": 1, "groups_kept": 0,
                               **rollout.refill}, None, anything=False)
@@ -232,14 +234,14 @@ class Scorer:
         metrics = {} if reuse else mismatch(old, parts)
         # mixtures: the gap routing replay removes, measured without it every N steps
         metrics.update(replay_check(self.model, parts, self.T, version,
-                                    self.cfg.moe.replay_check_every))
+                                    self.replay_check_every))
         # per-token KL to the reference with the configured estimator (the reward penalty,
         # kl_in_reward, uses it as is; the step-0 check reads it; neither reuses old logprobs)
         kl = cat_padded([kl_estimate(o, rf, self.algo.kl_estimator) for o, rf in zip(old, ref)],
                         full.mask.shape) if need_ref and not reuse else None
         if self.algo.check and version == 0 and need_ref:
             k0 = float((kl.abs() * full.mask).max())
-            tol = 1e-5 if self.cfg.train.mode == "adapter" else 5e-2
+            tol = 1e-5 if self.frozen_base else 5e-2
             assert k0 <= tol, f"check: KL to the reference at step 0 is {k0:.3g} > {tol}"
         values = None if old_v is None else cat_padded(old_v, full.mask.shape)
         adv, returns = self._advantages(rewards[idx].to(self.device), full.mask, values, kl,
@@ -280,7 +282,7 @@ class Scorer:
         """(advantages [B, T], PPO's returns [B, T] or None). PPO takes a trajectory's
         per-turn environment rewards at the end of each turn (token-level rewards for GAE)
         instead of in the sequence reward; the other estimators see their sum."""
-        algo, n = self.algo, self.cfg.rollout.n
+        algo, n = self.algo, self.rollout_cfg.n
         if self.critic is not None:
             env = torch.tensor([s.env_reward for s in kept], device=rewards.device)
             turn = A.turn_reward_tensor([s.turn_rewards for s in kept], mask.shape,
@@ -327,7 +329,7 @@ class Scorer:
         out["anchor_refreshes"] = len(self.anchors.events)
         # the controller's horizon counts samples (Ziegler et al.): one step moves the
         # coefficient by at most 0.2 x (the step's global batch / horizon)
-        r = self.cfg.rollout
+        r = self.rollout_cfg
         self.kl_ctl.update(kl, r.prompts_per_step * r.n)
         out["kl_coef"] = self.kl_ctl.value
         return out

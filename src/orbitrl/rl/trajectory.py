@@ -24,6 +24,7 @@ from orbitrl.engine import Request, SamplingParams
 from orbitrl.envs import get_env
 from orbitrl.envs.base import as_step_result
 from orbitrl.envs.calls import EnvCalls
+from orbitrl.envs.tools import describe_tools
 from orbitrl.errors import OrbitError
 from orbitrl.rl.types import Sample
 
@@ -58,6 +59,7 @@ class TurnFormat:
 
     def __init__(self, tok, env_cfg, chat: bool, schemas: list):
         self.tok, self.env, self.chat, self.schemas = tok, env_cfg, chat, schemas
+        self.system: str | None = None  # the tools' system message ("" none), at first use
         mode = env_cfg.tool_results
         if mode == "auto":
             mode = "template" if chat and getattr(tok, "chat_template", None) else "plain"
@@ -75,19 +77,29 @@ class TurnFormat:
 
     def prompt(self, obs: str, encode) -> tuple[list[int], list]:
         messages = [{"role": "user", "content": obs}]
-        if self.chat:
-            text = self.render(messages, True)
-            if self.schemas and not getattr(self, "_checked", False):
-                self._checked = True
-                bare = self.tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=False)
-                if bare == text:  # e.g. SmolLM2's template: the model never sees the tools
-                    warnings.warn("env.tools: the model's chat template ignores `tools`; the "
-                                  "prompt does not list them (describe them in the data's "
-                                  "prompts or use a template that renders tools)",
-                                  stacklevel=2)
-            return self.ids(text), messages
-        return list(encode(obs)), messages
+        if not self.chat:
+            return list(encode(obs)), messages
+        if self.schemas and self.system is None:
+            self.system = self._system_message(messages)
+        if self.system:
+            messages = [{"role": "system", "content": self.system}] + messages
+        return self.ids(self.render(messages, True)), messages
+
+    def _system_message(self, messages: list) -> str:
+        """``env.tools_prompt``: "" when the chat template lists the tools itself, else the
+        system message that describes them (``envs.tools.describe_tools``)."""
+        e = self.env
+        bare = self.tok.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=False)
+        ignored = bare == self.render(messages, True)  # e.g. SmolLM2's template
+        if e.tools_prompt == "template" or (e.tools_prompt == "auto" and not ignored):
+            if ignored:
+                warnings.warn("env.tools: the model's chat template ignores `tools`; the "
+                              "prompt does not list them (env.tools_prompt: system "
+                              "describes them in a system message)", stacklevel=3)
+            return ""
+        return describe_tools(self.schemas, e.tool_call_start, e.tool_call_end,
+                              e.tool_call_format)
 
     def observation(self, traj: Trajectory, obs: str, so_far: str) -> list[int]:
         """The tokens that follow the model's turn: the rendered tool message (and the

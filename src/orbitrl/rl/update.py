@@ -91,7 +91,9 @@ class Updater:
     """The policy's (and PPO's critic's) optimizer steps.
 
     Args:
-        cfg: the run's Config.
+        algo, train: the run's ``algo`` and ``train`` sections; ``max_tokens``:
+            ``rollout.max_tokens`` (the length normaliser of the seq-mean-token-sum-norm
+            aggregation).
         model, trainable: the policy and its trainable tensors.
         opt: AdamW (adapters) or a fused stateless optimizer (full parameters).
         guard: the GradNormGuard; snapshot: the last good adapters (None in full mode).
@@ -99,9 +101,10 @@ class Updater:
         coll: the Collective.
     """
 
-    def __init__(self, cfg, model, trainable, opt, guard, snapshot, critic, critic_opt, coll,
-                 workers=None):
-        self.cfg, self.algo, self.model, self.trainable = cfg, cfg.algo, model, trainable
+    def __init__(self, algo, train, max_tokens: int, model, trainable, opt, guard, snapshot,
+                 critic, critic_opt, coll, workers=None):
+        self.algo, self.train, self.max_tokens = algo, train, max_tokens
+        self.model, self.trainable = model, trainable
         self.opt, self.guard, self.snapshot = opt, guard, snapshot
         self.critic, self.critic_opt, self.coll = critic, critic_opt, coll
         self.fused = is_fused(opt)
@@ -137,7 +140,7 @@ class Updater:
         micro-batches while nothing is applied yet (True: StepAbandoned)."""
         if self.mode_matters:
             self.model.train()
-        t = self.cfg.train
+        t = self.train
         lr = lr_at(version, t.lr, warmup=t.warmup_steps, total=t.max_steps,
                    schedule=t.lr_schedule, min_lr=t.min_lr)
         for g in self.opt.param_groups:
@@ -183,7 +186,7 @@ class Updater:
                         returns=scored.returns[a:b, :T_k])
         loss, m = actor_loss(self.model, p, scored.old[k], scored.ref[k],
                              scored.adv[a:b, :T_k], algo, scored.kl_coef,
-                             scored.temperature, denom, self.cfg.rollout.max_tokens,
+                             scored.temperature, denom, self.max_tokens,
                              mask=scored.mask[a:b, :T_k], **crit)
         if algo.check and version == 0 and epoch == 0 and k == 0:
             assert abs(m["ratio_mean"] - 1) < 1e-5, \
@@ -245,11 +248,12 @@ class Updater:
         self._critic_step()
 
     def _critic_step(self):
-        """The value head's update after a micro-batch (its gradients summed over ranks)."""
+        """The value head's update after a micro-batch (its gradients summed over ranks,
+        clipped to ``algo.critic_max_grad_norm``)."""
         if self.critic is None:
             return
         self.coll.sum_grads(self.critic.parameters())
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.algo.critic_max_grad_norm)
         self.critic_opt.step()
         self.critic_opt.zero_grad(set_to_none=True)
 
@@ -291,7 +295,7 @@ class Updater:
         ok = self.guard.ok(norm if loss_ok else float("nan"))
         out = {"grad_norm": norm}
         if ok:
-            torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.train.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.train.max_grad_norm)
             self.opt.step()
             self.guard.accept(norm, layers)
             if self.snapshot is not None:

@@ -1,5 +1,5 @@
 """Parameter residency in tiers: hot (on the compute device), warm (being prefetched),
-cold (host memory, or disk through memory-mapped safetensors for a frozen base).
+cold (host memory).
 
 ``LayerResidency`` hooks the decoder layers. In forward, layer i is made hot before it runs
 and layers i+1..i+k are prefetched (k >= 2: the layer computing plus k buffers filling;
@@ -19,27 +19,24 @@ reference's re-quantization) sees the stored values.
 Everything is device-agnostic; on a CPU-only host "device" and "host" are the same memory,
 so the behaviour is checked through ``stats`` (bytes per tier over a step, prefetch hits
 and misses, peak resident layers) and, with ``copy_on_host=True``, hot copies are distinct
-buffers so the fetch / write-back path runs for real. A disk-cold frozen base
-(``from_pretrained``) keeps no layer in host memory between uses: a model larger than the
-host budget runs a forward holding only 1 + k layers.
+buffers so the fetch / write-back path runs for real.
+
+There is no disk tier: the layers a run puts on tiers either train (their weights change
+every step; a disk copy would go stale) or belong to full mode's int8 reference, which is
+re-quantized in place from the policy whenever its anchor moves (``rl/anchors.py``) and
+whose int8 values are not what a checkpoint's files hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
 from orbitrl.errors import OrbitError
-from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.quant import leaf_tensors
-from orbitrl.model.weights import empty_modules, hf_to_ours, to_dtype, weight_files
-
-_LAYER_PREFIX = "model.layers."
 
 
 @dataclass
@@ -49,12 +46,10 @@ class TierStats:
     fetches: int = 0
     releases: int = 0
     bytes_from_host: int = 0   # cold(host) -> device
-    bytes_from_disk: int = 0   # cold(disk) -> device
     bytes_written_back: int = 0  # updated trainable layers, device -> host
     peak_resident_layers: int = 0  # hot + warm
     peak_device_bytes: int = 0     # layer bytes hot + warm (+ always-hot non-layer weights)
     host_bytes: int = 0            # bytes kept in the host tier (cold-host copies)
-    disk_bytes: int = 0            # bytes kept only on disk
     timeline: list = field(default_factory=list)  # (event, layer, hot, warm, device_bytes)
 
 
@@ -77,7 +72,7 @@ class _Layer:
     """One decoder layer's tensors: its parameters (trainable or frozen) and, for a frozen
     quantized layer, its weight buffers (``FrozenLinear.weight``)."""
 
-    def __init__(self, idx: int, module: nn.Module, shapes: dict | None = None):
+    def __init__(self, idx: int, module: nn.Module):
         self.idx, self.module = idx, module
         self.params = dict(module.named_parameters())  # name -> Parameter (as built)
         self.slots = {}  # name -> (owning module, attribute), parameters and buffers
@@ -85,14 +80,10 @@ class _Layer:
             owner, _, leaf = name.rpartition(".")
             self.slots[name] = (module.get_submodule(owner) if owner else module, leaf)
         self.buffers = [n for n, _ in module.named_buffers()]
-        shapes = shapes or {n: tuple(p.shape) for n, p in self.params.items()}
-        self.meta = {n: (shapes[n], p.dtype) for n, p in self.params.items()}
-        self.nbytes = sum(torch.Size(shapes[n]).numel() * p.element_size()
-                          for n, p in self.params.items())
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.nbytes += sum(_nbytes(b) for _, b in module.named_buffers())
         self.trainable = any(p.requires_grad for p in self.params.values())
         self.host: dict[str, torch.Tensor] | None = None   # cold copies in host memory
-        self.disk: dict[str, tuple[Path, str]] | None = None  # name -> (file, key)
         self.hot: dict[str, torch.Tensor] | None = None
         self.state = "cold"
         self.event = None
@@ -112,7 +103,7 @@ class LayerResidency:
 
     Args:
         model: an orbitrl ``Decoder`` whose layers are materialised in host memory (they
-            become the cold tier) -- or built by ``from_pretrained`` (disk tier).
+            become the cold tier).
         prefetch: k, layers fetched ahead of compute (>= 1; 2 or more hides the copy).
         device: compute device (default: where the model's final norm lives).
         copy_on_host: on a CPU device, make hot copies distinct buffers (tests the real
@@ -121,8 +112,7 @@ class LayerResidency:
     """
 
     def __init__(self, model: Decoder, *, prefetch: int = 2, device=None,
-                 copy_on_host: bool = False, keep_timeline: bool = True,
-                 _disk: dict | None = None):
+                 copy_on_host: bool = False, keep_timeline: bool = True):
         if prefetch < 1:
             raise OrbitError(f"prefetch must be >= 1, got {prefetch}")
         self.model, self.k = model, int(prefetch)
@@ -130,8 +120,7 @@ class LayerResidency:
         self.copy = copy_on_host or self.device.type != "cpu"
         self.keep_timeline = keep_timeline
         self.stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
-        disk, shapes = _disk if _disk is not None else (None, {})
-        self.layers = [_Layer(i, m, shapes.get(i)) for i, m in enumerate(model.model.layers)]
+        self.layers = [_Layer(i, m) for i, m in enumerate(model.model.layers)]
         layer_ids = {id(p) for L in self.layers for p in L.params.values()}
         self.fixed_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                                if id(p) not in layer_ids)
@@ -140,16 +129,10 @@ class LayerResidency:
         self._in_backward = False
         pin = self.device.type == "cuda"
         for L in self.layers:
-            if disk is not None:
-                if L.trainable:
-                    raise OrbitError("disk-cold layers must be frozen (no write-back to disk)")
-                L.disk = disk[L.idx]
-                self.stats.disk_bytes += L.nbytes
-            else:
-                L.host = {n: _move(t, (lambda x: x.to("cpu").pin_memory()) if pin
-                                   else (lambda x: x.to("cpu")))
-                          for n, t in L.tensors().items()}
-                self.stats.host_bytes += L.nbytes
+            L.host = {n: _move(t, (lambda x: x.to("cpu").pin_memory()) if pin
+                               else (lambda x: x.to("cpu")))
+                      for n, t in L.tensors().items()}
+            self.stats.host_bytes += L.nbytes
             self._set_params(L, None)
             m = L.module
             self._handles += [m.register_forward_pre_hook(self._pre(L)),
@@ -158,19 +141,16 @@ class LayerResidency:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(
                         lambda p, L=L: L.landed.add(id(p))))
-        self._files: dict[Path, object] = {}
 
     # -- tier moves ---------------------------------------------------------------------
     def _set_params(self, L: _Layer, tensors):
         """Point the layer's modules at ``tensors`` (hot copies) or, with None, at the cold
         tier: the host copies themselves (checkpoints, exports and re-quantization then read
-        and write the stored weights between steps), or empty storage for a disk tier."""
-        if tensors is None and L.host is not None:
+        and write the stored weights between steps)."""
+        if tensors is None:
             tensors = L.host
         for n, p in L.params.items():
-            shape, dtype = L.meta[n]
-            t = tensors[n] if tensors is not None else torch.empty(0, dtype=dtype,
-                                                                  device=self.device)
+            t = tensors[n]
             if p.requires_grad:  # the same Parameter: the optimizer and grad hooks hold it
                 p.data = t
             else:  # frozen: a fresh Parameter (works across any two devices, meta included)
@@ -180,21 +160,10 @@ class LayerResidency:
             owner, attr = L.slots[n]
             owner._buffers[attr] = tensors[n]
 
-    def _read_disk(self, L: _Layer) -> dict:
-        out = {}
-        for n, (f, key) in L.disk.items():
-            h = self._files.get(f)
-            if h is None:
-                h = self._files[f] = safe_open(str(f), framework="pt", device="cpu")
-            t = h.get_tensor(key)
-            out[n] = t.to(L.meta[n][1])
-        self.stats.bytes_from_disk += L.nbytes
-        return out
-
     def _fetch(self, L: _Layer):
         """cold -> warm: start the copy (async on CUDA)."""
-        src = self._read_disk(L) if L.disk is not None else L.host
-        if L.disk is None and self.copy:
+        src = L.host
+        if self.copy:
             self.stats.bytes_from_host += L.nbytes
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
@@ -202,7 +171,7 @@ class LayerResidency:
                          for n, t in src.items()}
                 L.event = torch.cuda.Event()
                 L.event.record(self.stream)
-        elif self.copy and L.disk is None:
+        elif self.copy:
             L.hot = {n: _move(t, lambda x: x.to(self.device, copy=True))
                      for n, t in src.items()}
         else:
@@ -311,27 +280,18 @@ class LayerResidency:
         self._record("end", -1)
 
     # -- public -----------------------------------------------------------------------------
-    def release_all(self):
-        """Send every layer back to its cold tier (after a no-grad forward, say)."""
-        for L in self.layers:
-            self._release(L)
-
     def reset_stats(self):
-        host, disk = self.stats.host_bytes, self.stats.disk_bytes
-        self.stats = TierStats(host_bytes=host, disk_bytes=disk)
+        self.stats = TierStats(host_bytes=self.stats.host_bytes)
 
     def detach(self):
-        """Remove the hooks and make every layer resident again (host tier only)."""
+        """Remove the hooks and make every layer resident again."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for L in self.layers:
-            if L.disk is not None:
-                self._set_params(L, self._read_disk(L))
-            else:
-                self._release(L)
-                self._set_params(L, {n: _move(t, lambda x: x.to(self.device))
-                                     for n, t in L.host.items()})
+            self._release(L)
+            self._set_params(L, {n: _move(t, lambda x: x.to(self.device))
+                                 for n, t in L.host.items()})
 
     @classmethod
     def on_device(cls, model: Decoder, device, **kw) -> "LayerResidency":
@@ -359,65 +319,3 @@ class LayerResidency:
                 if b is not None:
                     mod._buffers[k] = b.to(device)
         return cls(model, device=device, **kw)
-
-    @classmethod
-    def from_pretrained(cls, path, *, dtype="float32", device="cpu", prefetch: int = 2,
-                        host_budget_bytes: int | None = None, **kw):
-        """A frozen model whose decoder layers stay on disk (memory-mapped safetensors)
-        and are read one layer at a time; embeddings, final norm and lm_head are loaded.
-
-        Args:
-            host_budget_bytes: refuse if the resident set (non-layer weights + 1 + k
-                layers) cannot fit in it.
-        Returns:
-            (model, residency)
-        """
-        path, dtype = Path(path), to_dtype(dtype)
-        cfg = ModelConfig.from_dir(path)
-        with empty_modules():
-            model = Decoder(cfg)
-        expected = {n: p for n, p in model.named_parameters()}
-        disk: dict[int, dict] = {i: {} for i in range(cfg.num_layers)}
-        shapes: dict[int, dict] = {i: {} for i in range(cfg.num_layers)}
-        seen = set()
-        for f in weight_files(path):
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    try:
-                        name = hf_to_ours(key)
-                    except KeyError:
-                        raise OrbitError(f"{f}: unexpected weight {key!r}") from None
-                    if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                        continue
-                    if name not in expected:
-                        raise OrbitError(f"{f}: weight {key!r} does not exist in this model")
-                    shape = tuple(sf.get_slice(key).get_shape())
-                    if shape != tuple(expected[name].shape):
-                        raise OrbitError(f"{f}: weight {key!r} has shape {shape}")
-                    seen.add(name)
-                    mod_name, _, leaf = name.rpartition(".")
-                    if name.startswith(_LAYER_PREFIX):
-                        i, rest = name[len(_LAYER_PREFIX):].split(".", 1)
-                        disk[int(i)][rest] = (f, key)
-                        shapes[int(i)][rest] = shape
-                        # disk-cold: no storage until the residency manager loads the layer
-                        t = torch.empty(0, dtype=dtype, device=device)
-                    else:
-                        t = sf.get_tensor(key).to(device=device, dtype=dtype)
-                    model.get_submodule(mod_name)._parameters[leaf] = nn.Parameter(
-                        t, requires_grad=False)
-        missing = [n for n in expected if n not in seen]
-        if missing:
-            raise OrbitError(f"{path}: checkpoint lacks {len(missing)} weight(s), first "
-                             f"{missing[0]!r}")
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.head_column_major()
-        res = cls(model.eval(), prefetch=prefetch, device=device, _disk=(disk, shapes), **kw)
-        if host_budget_bytes is not None:
-            need = res.fixed_bytes + (1 + res.k) * max(L.nbytes for L in res.layers)
-            if need > host_budget_bytes:
-                raise OrbitError(f"host budget {host_budget_bytes} B cannot hold the "
-                                 f"resident set ({need} B: non-layer weights + {1 + res.k} "
-                                 "layers); lower prefetch or raise the budget")
-        return model, res

@@ -15,12 +15,13 @@ def capture(tr, extra: dict) -> dict:
         "optimizer": tr.opt.state_dict(),
         "anchors": tr.anchors.state_dict(),
     }
-    if tr.overlap is not None:  # the adapter snapshots the next rollouts sample from
+    pending = tr.source.pending_snapshots()  # the adapter snapshots the next rollouts
+    if pending:  # sample from (rollout.overlap)
         from orbitrl.model.lora import lora_modules
 
         mods = list(lora_modules(tr.model).values())
         state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
-                                      for k, (v, view) in tr.overlap.pending_snapshots().items()}
+                                      for k, (v, view) in pending.items()}
     return to_cpu(state)
 
 
@@ -38,6 +39,6 @@ def restore(tr, state: dict):
 
         mods = list(lora_modules(tr.model).values())
         dev = tr.policy.trainable[0].device
-        tr.resume_snapshots = {k: (v, {id(m): tuple(t.to(dev) for t in ab)
-                                        for m, ab in zip(mods, views)})
-                                for k, (v, views) in state["overlap_snapshots"].items()}
+        tr.source.resume_snapshots = {
+            k: (v, {id(m): tuple(t.to(dev) for t in ab) for m, ab in zip(mods, views)})
+            for k, (v, views) in state["overlap_snapshots"].items()}

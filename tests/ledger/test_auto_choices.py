@@ -1,0 +1,65 @@
+"""The ledger's other auto choices for a run: recomputation (``train.recompute: auto``), the
+frozen base's format (``model.base_dtype: auto``) and whether a reference copy is loaded."""
+
+from orbitrl.config import load_config
+from orbitrl.ledger import runtime
+from orbitrl.ledger.memory import activation_bytes
+from orbitrl.ledger.models import from_config
+
+SMOL = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            max_position_embeddings=8192, tie_word_embeddings=True)
+GiB = 1 << 30
+
+
+def cfg(*sets):
+    return load_config(None, ["model.path=x", "rollout.n=8", "rollout.prompts_per_step=4",
+                              "rollout.max_tokens=16", *sets])
+
+
+def test_recompute_auto_is_on_where_full_mode_saves_more_than_its_weights():
+    full = cfg("train.mode=full")
+    assert runtime.resolve_recompute(full, SMOL, 47)  # 32 x 63 tokens: 3.5 GB vs 0.54 GB
+    shape = from_config(SMOL)
+    saved = activation_bytes(shape, 32 * 63, False, 1, 4, fp64_attention=True)
+    assert saved > 5 * shape.total_params * 4  # 3.0 GB priced against 0.54 GB
+    # a step small enough that its activations fit beside the weights: off
+    assert not runtime.resolve_recompute(cfg("train.mode=full", "rollout.n=2",
+                                             "rollout.prompts_per_step=1",
+                                             "rollout.max_tokens=4"), SMOL, 8)
+    assert not runtime.resolve_recompute(cfg(), SMOL, 47)  # adapters: the batch is cut
+    assert not runtime.resolve_recompute(cfg("train.mode=full", "train.recompute=false"),
+                                         SMOL, 47)  # explicit: kept
+    assert runtime.resolve_recompute(cfg("train.recompute=true"), SMOL, 47)
+    assert runtime.resolve_recompute(cfg("train.mode=full", "train.tiers=1",
+                                         "train.recompute=false"), SMOL, 47)  # tiers imply it
+
+
+def test_base_auto_takes_the_widest_format_the_memory_allows():
+    c = cfg()
+    peaks = {f: runtime.runtime_prediction(cfg(f"model.base_dtype={f}"), SMOL, 47)["peak"]
+             for f in ("fp32", "int8", "nf4")}
+    assert peaks["fp32"] > peaks["int8"] > peaks["nf4"]
+    share = runtime.BASE_SHARE
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", 24 * GiB) == "fp32"
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", int(peaks["fp32"] / share)) == "fp32"
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu",
+                                     int(peaks["fp32"] / share) - 1) == "int8"
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu",
+                                     int(peaks["int8"] / share) - 1) == "nf4"
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", 1) == "nf4"  # nothing fits: nf4
+    assert runtime.choose_base_dtype(cfg("train.mode=full"), SMOL, 47, "cpu", 1) == "fp32"
+    assert runtime.choose_base_dtype(cfg("model.dtype=bf16"), SMOL, 47, "cuda",
+                                     80 * GiB) == "bf16"
+    assert c.model.base_dtype == "auto"  # the trial formats never leak into the config
+
+
+def test_a_reference_is_priced_only_when_a_kl_term_reads_it():
+    def host_ref(*sets):
+        terms = runtime.runtime_prediction(cfg("train.mode=full", *sets), SMOL, 47)["terms"]
+        return terms["train"].get("host:reference:weights", 0)
+
+    assert not runtime.reference_needed(cfg("algo.kl_coef=0"))
+    assert runtime.reference_needed(cfg("algo.kl_coef=0.01"))
+    assert runtime.reference_needed(cfg("algo.kl_coef=0", "algo.kl_in_reward=true"))
+    assert host_ref("algo.kl_coef=0") == 0 and host_ref("algo.kl_coef=0.01") > 100 << 20
