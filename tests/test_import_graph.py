@@ -190,6 +190,24 @@ def test_the_walker_sees_the_imports(edges):
     assert "orbitrl.model" in {t for t, _, _ in edges["orbitrl.rl.policy"]}  # a package
 
 
+def test_every_function_level_import_says_why():
+    """An import inside a function stays there only for an optional dependency, a real
+    start-up cost or a circle, and says which in a trailing comment on its line (e.g.
+    ``# optional: triton``, ``# start-up: kept off --help``); any other import belongs at
+    the top of its module. The comment may sit on any line of the statement."""
+    bare = []
+    for mod, path in module_files(SRC, PACKAGE).items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node, in_func in _imports(ast.parse(text, str(path))):
+            if in_func and not any("#" in lines[i - 1]
+                                   for i in range(node.lineno, node.end_lineno + 1)):
+                bare.append(f"{path.relative_to(SRC)}:{node.lineno}: "
+                            f"{lines[node.lineno - 1].strip()}")
+    assert not bare, ("function-level imports without a '# why' comment (move them to the "
+                      "top of the module, or say why they stay):\n  " + "\n  ".join(bare))
+
+
 # ---- the walker on a made-up package -------------------------------------------------------
 
 def test_walker_rules(tmp_path):

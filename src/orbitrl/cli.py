@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from orbitrl.errors import OrbitError
 
@@ -83,7 +84,6 @@ def _exit_code(e: BaseException) -> int:
             return int(e.code or 0)
         print(e.code, file=sys.stderr)
         return 1
-    import traceback
 
     traceback.print_exception(e)
     return 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from orbitrl.errors import OrbitError
+
 
 def add_config_args(parser):
     parser.add_argument("config", nargs="?", help="YAML config file (default: built-in task)")
@@ -18,14 +20,12 @@ def add_packed_arg(parser):
 
 def packed_bytes(args) -> int:
     """``--packed-mb`` in bytes, checked."""
-    from orbitrl.errors import OrbitError
-
     if args.packed_mb < 0:
         raise OrbitError(f"--packed-mb {args.packed_mb}: must be 0 or more")
     return args.packed_mb << 20
 
 
 def config_from_args(args):
-    from orbitrl.config import load_config  # start-up: not on --help's path
+    from orbitrl.config import load_config  # start-up: kept off --help
 
     return load_config(args.config, args.overrides)

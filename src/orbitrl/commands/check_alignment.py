@@ -44,37 +44,37 @@ def add_arguments(parser):
 
 
 def _load(path, fmt: str, adapter: str | None):
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
-    from orbitrl.rl.policy import load_base  # start-up: not on --help's path
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+    from orbitrl.rl.policy import load_base  # start-up: kept off --help
 
     model = load_base(resolve_model_path(path), None if fmt == "fp32" else fmt, "float32",
                       "cpu")
     if adapter:
-        from orbitrl.model.adapters import load_adapters  # start-up: not on --help's path
+        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
 
         load_adapters(model, adapter)
     return model
 
 
 def _prompts(args, tok) -> list[list[int]]:
-    from orbitrl.evals.alignment import DEFAULT_PROMPTS  # start-up: not on --help's path
-    from orbitrl.model.tokenizer import encode_prompt  # start-up: not on --help's path
+    from orbitrl.evals.alignment import DEFAULT_PROMPTS  # start-up: kept off --help
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
 
     texts = DEFAULT_PROMPTS
     if args.prompts:
-        from orbitrl.data.datasets import load_rows  # start-up: not on --help's path
+        from orbitrl.data.datasets import load_rows  # start-up: kept off --help
 
         texts = [str(r["prompt"]) for r in load_rows(args.prompts, ["prompt"])]
     return [encode_prompt(tok, t, args.chat_template) for t in texts]
 
 
 def run(args) -> int:
-    import torch  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
 
-    from orbitrl.evals.alignment import measure  # start-up: not on --help's path
-    from orbitrl.model import load_tokenizer  # start-up: not on --help's path
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
-    from orbitrl.observe.alignment import AlignmentBounds, violations  # start-up: not on --help's path
+    from orbitrl.evals.alignment import measure  # start-up: kept off --help
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+    from orbitrl.observe.alignment import AlignmentBounds, violations  # start-up: kept off --help
 
     if args.max_tokens < 1 or args.top_k < 1:
         raise OrbitError("--max-tokens and --top-k must be >= 1")

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from orbitrl.commands._common import add_packed_arg, packed_bytes
+from orbitrl.errors import OrbitError
+from orbitrl.evals import cli as suite
 
 
 def add_arguments(parser):
@@ -48,22 +50,20 @@ def add_arguments(parser):
     parser.add_argument("--limit", type=int, default=0, help="evaluate the first N rows only")
     parser.add_argument("--out", help="write accuracy and per-row results as JSON")
     add_packed_arg(parser)
-    from orbitrl.evals import cli as suite  # --task humaneval | gsm8k[:FILE]
 
     suite.add_arguments(parser)
 
 
 def run(args) -> int:
-    from orbitrl.evals import cli as suite
-
     packed_bytes(args)  # checked before either path loads a model
     if (code := suite.run(args)) is not None:  # --task humaneval | gsm8k[:FILE]
         return code
-    import torch  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
 
-    from orbitrl.data.datasets import TASK_REWARDS, load_rows, task_rows  # start-up: not on --help's path
-    from orbitrl.rewards import RewardRunner  # start-up: not on --help's path
-    from orbitrl.rewards.graders import choose_grader  # start-up: not on --help's path
+    from orbitrl.data.datasets import (  # start-up: kept off --help
+        TASK_REWARDS, load_rows, task_rows)
+    from orbitrl.rewards import RewardRunner  # start-up: kept off --help
+    from orbitrl.rewards.graders import choose_grader  # start-up: kept off --help
 
     torch.set_num_threads(1)
     if args.run:
@@ -92,14 +92,13 @@ def run(args) -> int:
 def _run_of(args) -> int:
     """``--run RUN_DIR``: the run's final policy on its held-out rows, encoded, capped and
     scored as the run's config says (its chat template included), as training evaluated."""
-    import torch  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
 
-    from orbitrl.config import load_config  # start-up: not on --help's path
-    from orbitrl.errors import OrbitError
-    from orbitrl.rewards import RewardRunner  # start-up: not on --help's path
-    from orbitrl.rl.run import load_data  # start-up: not on --help's path
-    from orbitrl.rewards.graders import run_grader  # start-up: not on --help's path
-    from orbitrl.rl.score import reward_sources  # start-up: not on --help's path
+    from orbitrl.config import load_config  # start-up: kept off --help
+    from orbitrl.rewards import RewardRunner  # start-up: kept off --help
+    from orbitrl.rl.run import load_data  # start-up: kept off --help
+    from orbitrl.rewards.graders import run_grader  # start-up: kept off --help
+    from orbitrl.rl.score import reward_sources  # start-up: kept off --help
 
     run = Path(args.run)
     final = run / "checkpoints" / "final"
@@ -110,8 +109,8 @@ def _run_of(args) -> int:
     held = load_data(cfg)[1]
     runner = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
     if cfg.train.mode == "adapter":  # the frozen base in the format the run trained over
-        from orbitrl.model.adapters import load_adapters  # start-up: not on --help's path
-        from orbitrl.rl.policy import build_policy  # start-up: not on --help's path
+        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
+        from orbitrl.rl.policy import build_policy  # start-up: kept off --help
 
         policy = build_policy(cfg, torch.device("cpu"))
         load_adapters(policy.model, final)
@@ -129,10 +128,10 @@ def _run_of(args) -> int:
 def _load(model_path, adapter, base_dtype: str = "auto"):
     """(model, tokenizer, resolved path) of a model directory plus PEFT adapters, the frozen
     base in ``base_dtype`` (auto: the format the adapters were trained over, else fp32)."""
-    from orbitrl.model import load_tokenizer  # start-up: not on --help's path
-    from orbitrl.model.adapters import trained_base  # start-up: not on --help's path
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
-    from orbitrl.rl.policy import load_base  # start-up: not on --help's path
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.adapters import trained_base  # start-up: kept off --help
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+    from orbitrl.rl.policy import load_base  # start-up: kept off --help
 
     path = resolve_model_path(model_path)
     fmt = base_dtype
@@ -145,7 +144,7 @@ def _load(model_path, adapter, base_dtype: str = "auto"):
     model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
     tok = load_tokenizer(path, model.config.vocab_size)
     if adapter:
-        from orbitrl.model.adapters import load_adapters  # start-up: not on --help's path
+        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
 
         load_adapters(model, adapter)
     return model, tok, path
@@ -157,11 +156,9 @@ def task_scorer(task: str, model, tok, limit: int, max_tokens: int = 8):
     earlier weights) on the first ``limit`` held-out rows of built-in ``task``, encoded,
     capped and scored as ``orbitrl eval --task`` does (a multi-turn task's rows as
     trajectories)."""
-    from types import SimpleNamespace
-
-    from orbitrl.data.datasets import TASK_REWARDS, task_rows  # start-up: not on --help's path
-    from orbitrl.rewards import RewardRunner  # start-up: not on --help's path
-    from orbitrl.rl.evaluate import tool_summary  # start-up: not on --help's path
+    from orbitrl.data.datasets import TASK_REWARDS, task_rows  # start-up: kept off --help
+    from orbitrl.rewards import RewardRunner  # start-up: kept off --help
+    from orbitrl.rl.evaluate import tool_summary  # start-up: kept off --help
 
     rows = task_rows(task, "heldout", limit or None)
     runner = RewardRunner([TASK_REWARDS.get(task, "exact_match")], timeout_s=None)
@@ -181,8 +178,8 @@ def _task_env(task, args):
     """A multi-turn built-in task's run config (its ``env`` section), else None."""
     if task != "tool_arith":
         return None
-    from orbitrl.config import Config  # start-up: not on --help's path
-    from orbitrl.data.tool_arith import TOOL_ENV  # start-up: not on --help's path
+    from orbitrl.config import Config  # start-up: kept off --help
+    from orbitrl.data.tool_arith import TOOL_ENV  # start-up: kept off --help
 
     cfg = Config()
     for k, v in TOOL_ENV.items():
@@ -196,16 +193,16 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None
     prompts encoded as ``data`` says; ``env_cfg``, a run config whose ``env`` makes each
     row a multi-turn trajectory; ``packed_mb``: ``--packed-mb`` (None: the engine's
     default)."""
-    from orbitrl.engine import Engine  # start-up: not on --help's path
-    from orbitrl.model.tokenizer import encode_prompt  # start-up: not on --help's path
-    from orbitrl.rl.evaluate import Evaluator  # start-up: not on --help's path
+    from orbitrl.engine import Engine  # start-up: kept off --help
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
+    from orbitrl.rl.evaluate import Evaluator  # start-up: kept off --help
 
     engine = Engine(model, tok, **({} if packed_mb is None else
                                    {"packed_bytes": packed_mb << 20}))
     encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
     turns = None
     if env_cfg is not None:
-        from orbitrl.rl.trajectory import trajectories_fn  # start-up: not on --help's path
+        from orbitrl.rl.trajectory import trajectories_fn  # start-up: kept off --help
 
         turns = trajectories_fn(engine, tok, encode, env_cfg)
     return Evaluator(engine, encode, data, max_tokens, trajectories=turns)
@@ -218,9 +215,9 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     accuracy (``grader``: (name, function) from rewards/graders.py) with the reward's mean
     beside it, and write ``--out``. ``env_cfg``: a run config whose ``env`` makes each row a
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
-    from orbitrl.config import EvalSection  # start-up: not on --help's path
-    from orbitrl.rewards.graders import reward_gap_warning  # start-up: not on --help's path
-    from orbitrl.rl.evaluate import tool_summary  # start-up: not on --help's path
+    from orbitrl.config import EvalSection  # start-up: kept off --help
+    from orbitrl.rewards.graders import reward_gap_warning  # start-up: kept off --help
+    from orbitrl.rl.evaluate import tool_summary  # start-up: kept off --help
 
     j = _evaluator(model, tok, data, max_tokens, env_cfg,
                    args.packed_mb).judge(rows, runner, grader[1])

@@ -3,6 +3,7 @@ adapters or as a merged Hugging Face model directory."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from orbitrl.config import load_config  # start-up: not on --help's path
+    from orbitrl.config import load_config  # start-up: kept off --help
 
     run_dir = Path(args.run_dir)
     cfg_file = run_dir / "config.yaml"
@@ -36,9 +37,10 @@ def run(args) -> int:
         shutil.copytree(final, out, dirs_exist_ok=True)
         print(f"exported {final} -> {out}")
         return 0
-    from orbitrl.model import load_model, load_tokenizer  # start-up: not on --help's path
-    from orbitrl.model.adapters import load_adapters, save_merged, trained_base  # start-up: not on --help's path
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
+    from orbitrl.model import load_model, load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.adapters import (  # start-up: kept off --help
+        load_adapters, save_merged, trained_base)
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
 
     path = resolve_model_path(cfg.model.path).resolve()
     if args.format == "peft":
@@ -62,10 +64,8 @@ def _complete_peft_dir(out: Path, base: Path):
     """Record the base directory and copy its tokenizer where a run's adapters lack them
     (runs written before both were saved), so that peft's
     ``AutoPeftModelForCausalLM.from_pretrained(out)`` loads the directory alone."""
-    import json
-
-    from orbitrl.model import load_tokenizer  # start-up: not on --help's path
-    from orbitrl.model.adapters import CONFIG_NAME  # start-up: not on --help's path
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.adapters import CONFIG_NAME  # start-up: kept off --help
 
     cfg_file = out / CONFIG_NAME
     try:

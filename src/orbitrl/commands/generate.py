@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
+import orbitrl
 from orbitrl.commands._common import add_packed_arg, packed_bytes
 from orbitrl.errors import OrbitError
 
@@ -76,12 +78,9 @@ def _read_rows(path: Path):
 
 
 def run(args) -> int:
-    import time
-
-    import orbitrl
-    from orbitrl.engine import Engine, Request, SamplingParams  # start-up: not on --help's path
-    from orbitrl.ledger.runtime import engine_kv_dtype  # start-up: not on --help's path
-    from orbitrl.model.tokenizer import encode_prompt  # start-up: not on --help's path
+    from orbitrl.engine import Engine, Request, SamplingParams  # start-up: kept off --help
+    from orbitrl.ledger.runtime import engine_kv_dtype  # start-up: kept off --help
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
 
     src = Path(args.prompts)
     if not src.is_file():

@@ -96,7 +96,7 @@ def add_arguments(parser):
 
 
 def _num(args, flag: str, kind=float, positive=True, lo=None, hi=None):
-    from orbitrl.ledger.models import parse_count  # start-up: not on --help's path
+    from orbitrl.ledger.models import parse_count  # start-up: kept off --help
     raw = getattr(args, flag.lstrip("-").replace("-", "_"))
     try:
         v = parse_count(raw) if kind is int and positive else float(raw)
@@ -120,7 +120,7 @@ def _choice(args, flag: str) -> str:
 
 
 def _shape(args):
-    from orbitrl.ledger import models  # start-up: not on --help's path
+    from orbitrl.ledger import models  # start-up: kept off --help
     if bool(args.params) == bool(args.model):
         raise OrbitError("give one of --params N or --model DIR")
     if args.params:
@@ -143,10 +143,10 @@ def _shape(args):
 
 def build(args):
     """Parse and validate the flags into ledger objects; OrbitError names the bad flag."""
-    from orbitrl.ledger.bandwidth import Links  # start-up: not on --help's path
-    from orbitrl.ledger.bill import RoleOptions  # start-up: not on --help's path
-    from orbitrl.ledger.memory import Strategy, Workload  # start-up: not on --help's path
-    from orbitrl.ledger.plan import Cluster, Options  # start-up: not on --help's path
+    from orbitrl.ledger.bandwidth import Links  # start-up: kept off --help
+    from orbitrl.ledger.bill import RoleOptions  # start-up: kept off --help
+    from orbitrl.ledger.memory import Strategy, Workload  # start-up: kept off --help
+    from orbitrl.ledger.plan import Cluster, Options  # start-up: kept off --help
     shape = _shape(args)
     strat = Strategy(_choice(args, "--strategy"), _choice(args, "--base-dtype"),
                      _num(args, "--adapter-rank", int), _choice(args, "--weight-dtype"),
@@ -212,8 +212,8 @@ def proposal_doc(pr) -> dict | None:
 
 
 def run(args) -> int:
-    from orbitrl.ledger.plan import plan  # start-up: not on --help's path
-    from orbitrl.ledger.report import render  # start-up: not on --help's path
+    from orbitrl.ledger.plan import plan  # start-up: kept off --help
+    from orbitrl.ledger.report import render  # start-up: kept off --help
     p = plan(*build(args))
     doc = p.to_dict()
     doc["proposal"] = proposal_doc(p.proposal)

@@ -21,7 +21,7 @@ def add_arguments(parser):
 
 def run(args) -> int:
     if len(args.run_dir) > 1:
-        from orbitrl.observe.compare import overlay  # start-up: not on --help's path
+        from orbitrl.observe.compare import overlay  # start-up: kept off --help
 
         if not args.out:
             raise OrbitError("several run directories: give --out DIR for the comparison")
@@ -29,7 +29,7 @@ def run(args) -> int:
         page = overlay([Path(d) for d in args.run_dir], Path(args.out), labels, args.x)
         print(f"wrote {page}")
         return 0
-    from orbitrl.observe.report import make_report  # start-up: not on --help's path
+    from orbitrl.observe.report import make_report  # start-up: kept off --help
 
     run_dir = args.run_dir[0]
     if not Path(run_dir).is_dir():

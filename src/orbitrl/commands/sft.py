@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from orbitrl.commands.eval import task_scorer
+from orbitrl.errors import OrbitError
+
 
 def add_arguments(parser):
     parser.add_argument("--model", default="builtin:tiny-arith", help="HF model directory")
@@ -35,14 +38,14 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    import torch  # start-up: not on --help's path
-    from tqdm import tqdm  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
+    from tqdm import tqdm  # start-up: kept off --help
 
-    from orbitrl.data.datasets import load_rows, task_rows  # start-up: not on --help's path
-    from orbitrl.errors import OrbitError
-    from orbitrl.model import load_model, load_tokenizer, save_pretrained  # start-up: not on --help's path
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
-    from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: not on --help's path
+    from orbitrl.data.datasets import load_rows, task_rows  # start-up: kept off --help
+    from orbitrl.model import (  # start-up: kept off --help
+        load_model, load_tokenizer, save_pretrained)
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+    from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: kept off --help
 
     if args.limit < 0:
         raise OrbitError(f"--limit {args.limit}: must be >= 0 (0: every row)")
@@ -68,8 +71,6 @@ def run(args) -> int:
     pairs = encode_pairs(tok, rows, args.prompt_field, args.answer_field)
     score = None
     if args.eval_every:
-        from orbitrl.commands.eval import task_scorer
-
         score = task_scorer(args.task or "arith", model, tok, args.heldout)
     bar = tqdm(total=args.steps, desc="sft", unit="step", file=sys.stderr)
     reached = []  # the accuracy that ended the warm start

@@ -24,15 +24,15 @@ def run(args) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
             raise OrbitError(f"{run_dir}: not a run directory (no config.yaml to resume)")
-        from orbitrl.config import load_config  # start-up: not on --help's path
+        from orbitrl.config import load_config  # start-up: kept off --help
 
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
         cfg = config_from_args(args)
-    import torch  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
 
-    from orbitrl.distributed.env import init_distributed, shutdown  # start-up: not on --help's path
-    from orbitrl.rl.run import print_summary, run_training  # start-up: not on --help's path
+    from orbitrl.distributed.env import init_distributed, shutdown  # start-up: kept off --help
+    from orbitrl.rl.run import print_summary, run_training  # start-up: kept off --help
 
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
@@ -63,7 +63,7 @@ def run(args) -> int:
 
 def _is_comm_error(e: BaseException) -> bool:
     """Errors a failed collective raises (gloo/NCCL, timeouts, a closed connection)."""
-    import torch.distributed as td  # start-up: not on --help's path
+    import torch.distributed as td  # start-up: kept off --help
 
     names = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
     if isinstance(e, tuple(getattr(td, n) for n in names if hasattr(td, n))):

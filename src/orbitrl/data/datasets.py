@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from orbitrl.data.arith import arith_rows
+from orbitrl.data.code_tasks import code_rows
+from orbitrl.data.tool_arith import tool_rows
 from orbitrl.errors import OrbitError
 
 # the reward each built-in task is scored with when none is given (orbitrl eval)
@@ -18,16 +21,10 @@ def task_rows(name: str, split: str, limit: int | None = None) -> list[dict]:
     (two-digit addition), ``code`` (small Python problems with tests) or ``tool_arith``
     (products with a calculator tool; multi-turn, see data/tool_arith.py)."""
     if name == "arith":
-        from orbitrl.data.arith import arith_rows
-
         return arith_rows(split, limit)
     if name == "code":
-        from orbitrl.data.code_tasks import code_rows
-
         return code_rows(split, limit)
     if name == "tool_arith":
-        from orbitrl.data.tool_arith import tool_rows
-
         return tool_rows(split, limit)
     raise OrbitError(f"data.task {name!r}: no such built-in task (have: {', '.join(TASKS)})")
 

@@ -33,7 +33,7 @@ def _contiguous_stride(shape) -> tuple:
 def dim0_shard(local: torch.Tensor, like, full_shape) -> torch.Tensor:
     """A DTensor over ``like``'s mesh whose dim 0 is split as ``like``'s is, from this rank's
     ``local`` rows (optimizer state that follows a parameter's rows)."""
-    from torch.distributed.tensor import DTensor  # start-up: torch.distributed.tensor takes ~1 s
+    from torch.distributed.tensor import DTensor  # start-up: ~1 s import, sharded runs only
 
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=torch.Size(full_shape),
@@ -62,15 +62,17 @@ def shard_like(full: torch.Tensor, like) -> torch.Tensor:
 def save(tensors: dict, path: Path, group=None) -> None:
     """Every rank writes its shards of ``tensors`` (flat ``{key: tensor or DTensor}``) under
     ``path``; a collective over ``group`` (None: every rank) when a process group is up."""
-    import torch.distributed.checkpoint as dcp  # start-up: torch.distributed.checkpoint takes ~1 s
+    import torch.distributed.checkpoint as dcp  # start-up: ~1 s import, sharded runs only
 
     dcp.save(tensors, checkpoint_id=str(path), process_group=group)
 
 
 def stored(path: Path) -> dict:
     """``{key: (global shape, dtype)}`` of the tensors a DCP checkpoint holds."""
-    from torch.distributed.checkpoint import FileSystemReader  # start-up: torch.distributed.checkpoint takes ~1 s
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # start-up: torch.distributed.checkpoint takes ~1 s
+    from torch.distributed.checkpoint import (  # start-up: ~1 s import, sharded runs only
+        FileSystemReader)
+    from torch.distributed.checkpoint.metadata import (  # start-up: ~1 s import, sharded runs only
+        TensorStorageMetadata)
 
     try:
         md = FileSystemReader(str(path)).read_metadata()
@@ -84,7 +86,7 @@ def load(targets: dict, path: Path, group=None) -> dict:
     """Fill ``targets`` (``{key: tensor or DTensor}`` of the wanted layout) in place from
     the checkpoint at ``path``; works with or without a process group (``group``: the ranks
     that load together, None: every rank)."""
-    import torch.distributed.checkpoint as dcp  # start-up: torch.distributed.checkpoint takes ~1 s
+    import torch.distributed.checkpoint as dcp  # start-up: ~1 s import, sharded runs only
 
     try:
         dcp.load(targets, checkpoint_id=str(path), process_group=group)

@@ -12,7 +12,12 @@ from contextlib import contextmanager
 
 import torch
 
+from orbitrl.distributed.batch import join_empty, on_global_batch
 from orbitrl.distributed.env import Dist
+from orbitrl.distributed.fsdp import gathered, idle_backward, lockstep, rollout_weights, \
+    shard_policy, sum_grads
+from orbitrl.distributed.metrics import reduce_row
+from orbitrl.train.optim import is_fused
 
 
 class Collective:
@@ -60,27 +65,19 @@ class Collective:
     def shard(self, policy, cfg) -> None:
         """Shard the policy's weights over the ranks (FSDP2); nothing on one process."""
         if self.enabled:
-            from orbitrl.distributed.fsdp import shard_policy
-
             shard_policy(policy, self.dist, cfg)
 
     def attach(self, opt) -> None:
         """A fused optimizer on shards all-reduces its norms and factored moments."""
-        from orbitrl.train.optim import is_fused
-
         if self.enabled and is_fused(opt):
             opt.reduce_sum = self.dist.all_sum
 
     def lockstep(self, model):
         """A data-dependent number of forwards, matched by idle ones on ranks done first."""
-        from orbitrl.distributed.fsdp import lockstep
-
         return lockstep(model, self.dist)
 
     def rollout_weights(self, model, mode: str, reshard_after_forward: bool):
         """The weights generation runs on (``dist.rollout_weights``): lockstep otherwise."""
-        from orbitrl.distributed.fsdp import rollout_weights
-
         return rollout_weights(model, self.dist, mode, reshard_after_forward)
 
     @contextmanager
@@ -89,7 +86,6 @@ class Collective:
         if not self.enabled:
             yield model
             return
-        from orbitrl.distributed.fsdp import gathered
 
         with gathered(model):
             yield model
@@ -97,8 +93,6 @@ class Collective:
     # ---- evening out ----------------------------------------------------------------------
     def on_global_batch(self, fn, *tensors):
         """``fn`` over every rank's rows, this rank's rows back (``fn(*tensors)`` on one)."""
-        from orbitrl.distributed.batch import on_global_batch
-
         return on_global_batch(self.dist, fn, *tensors)
 
     def join_scoring(self, model, n_tensors: int | None, device) -> None:
@@ -110,8 +104,6 @@ class Collective:
         with self.lockstep(model):
             pass
         if n_tensors:
-            from orbitrl.distributed.batch import join_empty
-
             join_empty(self.dist, n_tensors, device)
 
     def micro_batches(self, n: int) -> int:
@@ -120,18 +112,12 @@ class Collective:
 
     def idle_backward(self, model) -> torch.Tensor:
         """A zero-loss forward + backward for a rank out of micro-batches."""
-        from orbitrl.distributed.fsdp import idle_backward
-
         return idle_backward(model)
 
     def sum_grads(self, params) -> None:
         """Sum replicated parameters' gradients over ranks (nothing on one process)."""
-        from orbitrl.distributed.fsdp import sum_grads
-
         sum_grads(params, self.dist)
 
     def reduce_row(self, row: dict) -> dict:
         """The run's metrics row from every rank's (``row`` on one process)."""
-        from orbitrl.distributed.metrics import reduce_row
-
         return reduce_row(row, self.dist)

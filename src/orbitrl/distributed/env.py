@@ -10,7 +10,11 @@ hangs makes the others fail with an error instead of waiting forever.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -180,8 +184,6 @@ def return_large_blocks(threshold: int = 32 << 10) -> bool:
     the C library has no ``mallopt``.
     """
     try:
-        import ctypes
-
         return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
@@ -206,10 +208,6 @@ def exit_now(code: int):
     of the test suite's 2-rank runs. What the teardown does after the steps above (freeing
     objects) is not needed.
     """
-    import atexit
-    import sys
-    import threading
-
     try:
         shutdown_threads = getattr(threading, "_shutdown", None)  # what exit itself calls
         if shutdown_threads is not None:

@@ -29,7 +29,7 @@ from orbitrl.distributed.env import Dist
 
 
 def fsdp_modules(model: nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule  # start-up: FSDP2 pulls torch.distributed.tensor (~1 s)
+    from torch.distributed.fsdp import FSDPModule  # start-up: ~1 s import, sharded runs only
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
@@ -46,8 +46,9 @@ def shard_model(model: nn.Module, dist: Dist, reshard_after_forward: bool = True
             or gathered beside it (the design's two: ``dist.prefetch_layers: 2``); 0 gathers
             on demand.
     """
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # start-up: FSDP2 pulls torch.distributed.tensor (~1 s)
-    from torch.distributed.fsdp import fully_shard  # start-up: FSDP2 pulls torch.distributed.tensor (~1 s)
+    from torch.distributed.device_mesh import (  # start-up: ~1 s import, sharded runs only
+        DeviceMesh, init_device_mesh)
+    from torch.distributed.fsdp import fully_shard  # start-up: ~1 s import, sharded runs only
 
     dev = "cuda" if dist.backend == "nccl" else "cpu"
     # a training pool beside rollout ranks shards over its own group only

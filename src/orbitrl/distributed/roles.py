@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 
+from orbitrl.distributed.channel import FINISH, Channel
 from orbitrl.distributed.env import Dist
 from orbitrl.errors import OrbitError
 
@@ -57,8 +58,6 @@ class Roles:
         """Open this rank's channel: the leader beats to the rollout ranks, a rollout rank
         listens to the leader and beats back (so either may sit idle for longer than
         ``dist.timeout_s`` while the other builds, evaluates or checkpoints)."""
-        from orbitrl.distributed.channel import Channel
-
         self.channel = Channel(self.ctrl_group, self.timeout_s)
         if self.is_leader:
             self.channel.beat_to(self.rollout_ranks)
@@ -69,8 +68,6 @@ class Roles:
     def finish(self):
         """Leader, at the very end of the run: the rollout ranks may leave (they waited,
         beaten, through the held-out evaluation and the final checkpoint)."""
-        from orbitrl.distributed.channel import FINISH
-
         if self.is_leader and self.channel is not None:
             self.channel.close()
             for r in self.rollout_ranks:

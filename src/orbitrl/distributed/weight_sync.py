@@ -30,6 +30,7 @@ beside the two buffers in flight, and the stream is the one a single training ra
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -57,8 +58,6 @@ def whole(params) -> list[torch.Tensor]:
 
 def name_digest(pairs) -> int:
     """A 62-bit digest of the names, shapes and dtypes, in order (both sides must agree)."""
-    import hashlib
-
     text = "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in pairs)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import replace
 
 import torch
+from tqdm import tqdm
 
 from orbitrl.engine.block_pool import BlockPool
 from orbitrl.engine.decode_runner import DecodeRunner, resolve_backend
@@ -21,12 +23,14 @@ from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.model_runner import ModelRunner
 from orbitrl.engine.packed import PackedLinears
 from orbitrl.engine.paged_attention import KVCache
-from orbitrl.engine.sampler import sample
+from orbitrl.engine.sampler import row_key, sample
 from orbitrl.engine.scheduler import Scheduler
 from orbitrl.engine.sequence import (Completion, Request, RequestOutput, SamplingParams,
                                      Sequence, Status)
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.kv import kv_blocks_for_budget, kv_bytes_per_block
+from orbitrl.model.lora import _VIEW, lora_modules
+from orbitrl.model.quant import FrozenLinear
 
 FP8_NAMES = ("fp8", "float8_e4m3fn")
 
@@ -273,8 +277,6 @@ class Engine:
             one RequestOutput per request, in input order; rejected requests carry ``error``
             and no samples, and do not affect the others.
         """
-        from tqdm import tqdm
-
         reqs = [r if isinstance(r, Request) else
                 Request(prompt=r) if isinstance(r, str) else Request(prompt_ids=list(r))
                 for r in requests]
@@ -358,10 +360,6 @@ class Engine:
         the tokens not yet in the cache: ``new_ids`` and the previous turn's last token.
         The history becomes the prompt, the logprobs start over, the random stream moves
         to a new key; ``max_tokens`` caps the new turn (default the request's)."""
-        from dataclasses import replace
-
-        from orbitrl.engine.sampler import row_key
-
         self._settle()
         if seq.status != Status.PARKED:
             raise OrbitError(f"resume: sequence {seq.req_index}/{seq.sample} is not parked")
@@ -684,9 +682,6 @@ def _adapter_signature(model) -> tuple:
     view the switches are not read (a view is always on), so they are left out: the
     training thread toggling them (``adapters_disabled`` for the reference pass,
     rollout.overlap) must not drop the rollout thread's graphs."""
-    from orbitrl.model.lora import _VIEW, lora_modules
-    from orbitrl.model.quant import FrozenLinear
-
     view = getattr(_VIEW, "tensors", None)
     kept = tuple(m._cached[1].data_ptr() for m in model.modules()
                  if isinstance(m, FrozenLinear) and m._cached is not None)

@@ -37,6 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from orbitrl.engine.attention_kernels import shared_prefix_groups
+from orbitrl.model.config import ModelConfig
+
 # the most shared memory one thread block may use (the opt-in limit), bytes, per compute
 # capability (CUDA programming guide, "Technical Specifications per Compute Capability")
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
@@ -65,8 +68,6 @@ DEFAULT_SHAPES = (AttentionShape(14, 2, 64, "bf16"), AttentionShape(9, 3, 64, "b
 def model_shape(model_dir: str) -> AttentionShape:
     """The attention shape of a model directory (its config.json) in its dtype (bf16 if
     it names none)."""
-    from orbitrl.model.config import ModelConfig
-
     c = ModelConfig.from_dir(model_dir)
     named = c.hf.get("torch_dtype") or c.hf.get("dtype")
     dt = {"float16": "fp16", "float32": "fp32"}.get(named, "bf16")
@@ -145,7 +146,6 @@ VARIANTS = 7  # launches per (shape, KV dtype) in _launches
 def _launches(shape: AttentionShape, fp8: bool):
     """(variant name, thunk) for every launch kind, on small CPU tensors of the shape."""
     from orbitrl.engine import triton_attention as ta  # optional: triton
-    from orbitrl.engine.attention_kernels import shared_prefix_groups
 
     dt = _DTYPES[shape.dtype]
     hq, hkv, d, bs, batch, nb = shape.num_heads, shape.num_kv_heads, shape.head_dim, 16, 8, 8

@@ -15,6 +15,8 @@ import operator
 import threading
 
 from orbitrl.errors import OrbitError
+from orbitrl.plugins import load_object
+from orbitrl.rewards.sandbox import Job, Sandbox
 
 MAX_DIGITS = 4000  # a calculator result longer than this is an error, not a huge string
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -82,14 +84,10 @@ class PythonTool:
     def box(self):
         with self._lock:
             if self._box is None:
-                from orbitrl.rewards.sandbox import Sandbox
-
                 self._box = Sandbox(self.cfg)
             return self._box
 
     def __call__(self, arguments) -> bytes | str:
-        from orbitrl.rewards.sandbox import Job
-
         res = self.box().run(Job(_arg(arguments, "code")))
         if res.status == "ok":
             return res.stdout
@@ -112,8 +110,6 @@ SCHEMAS = {
 def build_tools(names: list[str], sandbox_cfg=None) -> dict:
     """name -> callable for the configured ``env.tools`` (built-ins or import paths; an
     import path's tool is called by its attribute name)."""
-    from orbitrl.plugins import load_object
-
     out = {}
     for name in names:
         if name == "calculator":

@@ -27,7 +27,7 @@ def add_arguments(parser) -> None:
 
 
 def _options(args):
-    from orbitrl.evals.run import EvalOptions  # start-up: not on --help's path
+    from orbitrl.evals.run import EvalOptions  # start-up: kept off --help
 
     try:
         ks = tuple(int(x) for x in str(args.k).split(",") if x.strip())
@@ -49,12 +49,12 @@ def run(args) -> int | None:
     """Run a suite task; None when ``args.task`` is not one (``orbitrl eval`` goes on)."""
     if not args.task or not (args.task == "humaneval" or args.task.split(":")[0] == "gsm8k"):
         return None
-    import torch  # start-up: not on --help's path
+    import torch  # start-up: kept off --help
 
-    from orbitrl.evals.run import evaluate  # start-up: not on --help's path
-    from orbitrl.evals.tasks import make_task  # start-up: not on --help's path
-    from orbitrl.model import load_model, load_tokenizer  # start-up: not on --help's path
-    from orbitrl.model.builtin import resolve_model_path  # start-up: not on --help's path
+    from orbitrl.evals.run import evaluate  # start-up: kept off --help
+    from orbitrl.evals.tasks import make_task  # start-up: kept off --help
+    from orbitrl.model import load_model, load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
 
     opts = _options(args)
     torch.set_num_threads(args.threads)
@@ -65,7 +65,7 @@ def run(args) -> int | None:
     model = load_model(path)
     tok = load_tokenizer(path, model.config.vocab_size)
     if args.adapter:
-        from orbitrl.model.adapters import load_adapters  # start-up: not on --help's path
+        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
 
         load_adapters(model, args.adapter)
     name = str(path) + (f" + adapter {args.adapter}" if args.adapter else "")

@@ -18,9 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from tqdm import tqdm
+
+from orbitrl.engine import Engine, SamplingParams
 from orbitrl.errors import OrbitError
 from orbitrl.evals.tasks import Task
+from orbitrl.ledger.kv import kv_bytes_per_token
+from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.observe.passk import mean_pass_at_k, pass_at_k
+from orbitrl.rl.evaluate import Evaluator
 
 
 @dataclass
@@ -47,9 +53,6 @@ class EvalOptions:
 def sized_engine(model, tok, batch: int, packed_mb: int | None = None
                  ) -> Callable[[int], object]:
     """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them."""
-    from orbitrl.engine import Engine
-    from orbitrl.ledger.kv import kv_bytes_per_token
-
     cfg = model.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -62,9 +65,6 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
              on_chunk: Callable[[dict], None] | None = None) -> dict:
     """Run the task; returns the summary and per-problem rows (see docs/eval.md).
     ``on_chunk(result)``: called after each chunk with the problems finished so far."""
-    from orbitrl.model.tokenizer import encode_prompt
-    from orbitrl.rl.evaluate import Evaluator
-
     bad = [k for k in opts.k if k < 1 or (opts.n and k > opts.n)]
     if opts.n and bad:
         raise OrbitError(f"--k {bad[0]}: pass@k needs k <= n (n = {opts.n})")
@@ -95,8 +95,6 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
 def _params(opts: EvalOptions, max_tokens: int, stop, i: int) -> list[tuple]:
     """Problem ``i``'s requests as (kind, params): greedy (n = 1, temperature 0), then the
     n samples."""
-    from orbitrl.engine import SamplingParams
-
     out = [("greedy", SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=stop))
            ] if opts.greedy else []
     if opts.n:
@@ -109,8 +107,6 @@ def _params(opts: EvalOptions, max_tokens: int, stop, i: int) -> list[tuple]:
 def _chunk(task: Task, ev, prompts, opts: EvalOptions, max_tokens: int, a: int, b: int,
            rows: list) -> None:
     """Problems a..b-1: generate both passes in one batch, judge, fill their rows."""
-    from tqdm import tqdm
-
     reqs = [(i, kind, p) for i in range(a, b)
             for kind, p in _params(opts, max_tokens, task.stop, i)]
     what = " + ".join((["greedy"] if opts.greedy else []) + (

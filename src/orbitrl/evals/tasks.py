@@ -12,8 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from orbitrl.data import humaneval
+from orbitrl.data.gsm8k import load_gsm8k
 from orbitrl.errors import OrbitError
-from orbitrl.rewards.checkfn import Verdict
+from orbitrl.rewards.checkfn import Verdict, judge_programs, record_calls
+from orbitrl.rewards.code import extract_program
+from orbitrl.rewards.sandbox import Sandbox
+from orbitrl.rewards.verifiers import math_answer
 
 GSM8K_SAMPLE = Path(__file__).resolve().parents[1] / "builtin" / "tasks" / "gsm8k_sample.jsonl"
 
@@ -46,12 +51,7 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0, chat: bool = False) -> Task
     function), or with ``chat`` (an instruct model under its chat template, asked by
     ``INSTRUCT``) the prompt plus the code block of its answer; each problem's check runs
     here over the values its calls returned in the sandbox (rewards/checkfn.py)."""
-    from orbitrl.data.humaneval import STOP, load_problems
-    from orbitrl.rewards.checkfn import judge_programs, record_calls
-    from orbitrl.rewards.code import extract_program
-    from orbitrl.rewards.sandbox import Sandbox
-
-    problems = load_problems()[:limit or None]
+    problems = humaneval.load_problems()[:limit or None]
     specs, errors = [], {}
     for p in problems:
         try:
@@ -85,16 +85,13 @@ def humaneval_task(sandbox_cfg=None, limit: int = 0, chat: bool = False) -> Task
             progress(len(verdicts))
         return out  # type: ignore[return-value]
 
-    return Task("humaneval", rows, CHAT_STOP if chat else STOP, score, 384, errors)
+    return Task("humaneval", rows, CHAT_STOP if chat else humaneval.STOP, score, 384, errors)
 
 
 def gsm8k_task(path: str | Path | None = None, limit: int = 0) -> Task:
     """A GSM8K-format file (default: the shipped sample): the prompt is
     ``Question: ...\\nAnswer:``; the completion is right when math-verify finds its answer
     equal to the number after ``####`` in the row's answer."""
-    from orbitrl.data.gsm8k import load_gsm8k
-    from orbitrl.rewards.verifiers import math_answer
-
     data = load_gsm8k(path or GSM8K_SAMPLE)[:limit or None]
     rows = [{"id": r["id"], "prompt": f"Question: {r['question']}\nAnswer:",
              "answer": r["answer"]} for r in data]

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from orbitrl.ledger.formats import PLANNER_INT4_GROUP, PLANNER_PARAM_BYTES, bytes_per_param
 from orbitrl.ledger.kv import blocks_for_tokens, kv_bytes_per_block
-from orbitrl.ledger.models import ModelShape
+from orbitrl.ledger.models import ModelShape, from_params
 
 STRATEGIES = ("adamw", "stateless", "adapter")
 
@@ -232,7 +232,6 @@ def state_bytes(shape: ModelShape, strategy: Strategy) -> StateBytes:
 def training_bytes(params: float, strategy: str = "adamw", weight_dtype: str = "bf16",
                    grad_dtype: str = "bf16") -> int:
     """Whole-model state bytes for a bare parameter count (1e12 AdamW -> 16e12 B)."""
-    from orbitrl.ledger.models import from_params
     return state_bytes(from_params(params), Strategy(strategy, weight_dtype=weight_dtype,
                                                      grad_dtype=grad_dtype)).total
 

@@ -15,6 +15,7 @@ import copy
 import math
 from dataclasses import dataclass
 
+from orbitrl.errors import OrbitError
 from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
 from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
@@ -329,8 +330,6 @@ def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
 
     Returns ``{"blocks", "cap", "floor", "train_need", "left"}`` (bytes and block counts).
     """
-    from orbitrl.errors import OrbitError
-
     r = cfg.rollout
     pred = runtime_prediction(cfg, hf_config, prompt_len, kv_blocks=0, device=device,
                               devices=devices)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.moe import MoEConfig
 
 # model_type -> (qkv bias default, q/k RMSNorm)
 FAMILIES = {
@@ -102,7 +103,6 @@ class ModelConfig:
         else:
             qkv_bias = bool(hf.get("attention_bias", qkv_default))
         windows = _sliding_windows(hf, mt, n_layers)
-        from orbitrl.model.moe import MoEConfig
 
         moe = MoEConfig.from_hf(hf, mt, n_layers, source)
         return cls(

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from orbitrl.model.attention import build_mask, dense_attention
 from orbitrl.model.config import ModelConfig
+from orbitrl.model.dtensor import is_dtensor
 from orbitrl.model.moe import Routing, make_ffn
 from orbitrl.model.rope import Rotary, apply_rotary
 
@@ -327,7 +328,6 @@ class Decoder(nn.Module):
         if (w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous()
                 or w.shape[0] == 1):
             return False
-        from orbitrl.model.dtensor import is_dtensor
 
         if is_dtensor(w):
             return False

@@ -18,6 +18,7 @@ format and dequantizes again in backward (the gradient w.r.t. the input; the bas
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -44,13 +45,11 @@ def _torchao():
     """torchao's ``Int8Tensor`` and ``NF4Tensor`` as attributes of one namespace (its
     start-up noise is filtered by orbitrl._quiet). NF4Tensor moved to
     ``torchao.quantization`` in 0.18; before, it lives in ``torchao.dtypes``."""
-    from types import SimpleNamespace
-
-    from torchao.quantization import Int8Tensor  # start-up: torchao takes ~1 s; only quantized bases
+    from torchao.quantization import Int8Tensor  # start-up: torchao ~1 s
     try:
-        from torchao.quantization import NF4Tensor  # start-up: torchao takes ~1 s; only quantized bases
+        from torchao.quantization import NF4Tensor  # start-up: torchao ~1 s
     except ImportError:  # torchao < 0.18
-        from torchao.dtypes import NF4Tensor  # start-up: torchao takes ~1 s; only quantized bases
+        from torchao.dtypes import NF4Tensor  # start-up: torchao ~1 s
     return SimpleNamespace(Int8Tensor=Int8Tensor, NF4Tensor=NF4Tensor)
 
 
@@ -229,7 +228,7 @@ class FrozenLinear(nn.Module):
         if fmt in _PLAIN:
             self.register_buffer("weight", w.to(_PLAIN[fmt]).contiguous())
         elif fmt == "int8":
-            from torchao.quantization.granularity import PerRow  # start-up: torchao takes ~1 s; only quantized bases
+            from torchao.quantization.granularity import PerRow  # start-up: torchao ~1 s
             self.register_buffer("weight", _torchao().Int8Tensor.from_hp(
                 w.float().contiguous(), granularity=PerRow()))
         elif fmt == "nf4":

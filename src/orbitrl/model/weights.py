@@ -21,8 +21,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from orbitrl.errors import OrbitError
+from orbitrl.model import quant
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.moe import pack_experts
 
 # Hugging Face name -> ours. Our module tree mirrors HF's, so the map is the identity on
 # the names it accepts; it exists to reject what we do not understand, explicitly.
@@ -154,7 +156,6 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
     path = Path(path)
     dtype = to_dtype(dtype)
     if base_format is not None:
-        from orbitrl.model import quant
         quant.check_format(base_format, device)
         kw = {} if group_size is None else {"group_size": group_size}
         on_tensor = quant.quantizing_hook(base_format, then=on_tensor, **kw)
@@ -199,7 +200,6 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         quant.finish_frozen(model, path)
     model.head_column_major()
     if cfg.moe is not None:  # few rows per expert per call: see moe.pack_experts
-        from orbitrl.model.moe import pack_experts
 
         pack_experts(model)
     return model.eval()

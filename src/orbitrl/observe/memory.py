@@ -21,10 +21,13 @@ peak next to it:
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import contextmanager
 
 import torch
 
+from orbitrl.ledger.runtime import runtime_prediction
+from orbitrl.model.dtensor import is_dtensor, local
 from orbitrl.observe.metrics import PhaseTimer, rss_bytes
 
 
@@ -48,7 +51,6 @@ def trim_heap() -> bool:
     False where there is no glibc."""
     if not _MALLOC_TRIM:
         try:
-            import ctypes
             _MALLOC_TRIM.append(ctypes.CDLL("libc.so.6").malloc_trim)
         except (OSError, AttributeError):
             _MALLOC_TRIM.append(None)
@@ -118,7 +120,7 @@ class MemoryProbe:
             # takes a second)
             if quantized:
                 try:
-                    import torchao  # noqa: F401
+                    import torchao  # noqa: F401; start-up: torchao, only for a quantized base
                 except Exception:
                     pass
             trim_heap()
@@ -228,8 +230,6 @@ def _tensors(obj):
 
 def _storages(t: torch.Tensor):
     """(data_ptr, nbytes, storage) of the plain storages behind ``t`` (subclasses unpacked)."""
-    from orbitrl.model.dtensor import is_dtensor, local
-
     inner = t.data if isinstance(t, torch.nn.Parameter) else t
     if is_dtensor(inner):  # its shard
         yield from _storages(local(inner))
@@ -290,8 +290,6 @@ def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1,
     the model's config.json, the KV pool as the engine allocated it, ``prompt_len`` the
     longest prompt of the task in tokens, ``devices`` the ranks the weights are sharded
     over (the prediction is per rank), ``workers`` the micro-batches run side by side."""
-    from orbitrl.ledger.runtime import runtime_prediction
-
     return runtime_prediction(cfg, model.config.hf, prompt_len,
                               kv_blocks=engine.pool.num_blocks,
                               device=torch.device(model.device).type,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from orbitrl.errors import OrbitError
+
 
 def rss_bytes() -> int:
     """Current resident set size of this process."""
@@ -102,19 +104,17 @@ class ExternalWriters:
 
     def __init__(self, run_dir: Path, tensorboard: bool = False, wandb: bool = False,
                  config: dict | None = None):
-        from orbitrl.errors import OrbitError
-
         self.tb = self.wb = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
             except ImportError:
                 raise OrbitError("config key 'log.tensorboard': needs the tensorboard package "
                                  "(pip install tensorboard)") from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb:
             try:
-                import wandb as wb
+                import wandb as wb  # optional: wandb
             except ImportError:
                 raise OrbitError("config key 'log.wandb': needs the wandb package "
                                  "(pip install wandb)") from None

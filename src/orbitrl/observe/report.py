@@ -55,10 +55,10 @@ def _smooth(ys, w=10):
 
 
 def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
-    import matplotlib
+    import matplotlib  # start-up: matplotlib, only for plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up: matplotlib, only for plots
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")

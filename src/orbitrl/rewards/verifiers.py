@@ -74,7 +74,7 @@ def math_answer(prompt: str, completion: str, **fields: Any) -> float:
     RewardRunner worker they are off and the runner's time limit applies instead.
     """
     try:
-        from math_verify import parse, verify
+        from math_verify import parse, verify  # optional: math_verify
     except ImportError as e:
         raise OrbitError("reward 'math' needs math-verify: pip install math-verify") from e
     for name in ("math_verify.parser", "math_verify.grader"):  # the runner owns the timeout

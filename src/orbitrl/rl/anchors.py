@@ -19,6 +19,9 @@ import contextlib
 import torch
 
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.dtensor import is_dtensor
+from orbitrl.model.lora import adapter_parameters, adapters_disabled
+from orbitrl.model.quant import FrozenLinear, leaf_tensors
 
 
 class Anchors:
@@ -36,7 +39,6 @@ class Anchors:
         if self.reference is not None:
             yield self.reference
             return
-        from orbitrl.model.lora import adapter_parameters, adapters_disabled
 
         if self.snapshot is None:
             with adapters_disabled(self.model):
@@ -57,8 +59,6 @@ class Anchors:
     def refresh(self, step: int, reason: str, kl: float | None = None):
         """Move the anchor to the current policy and log the event."""
         if self.reference is None:
-            from orbitrl.model.lora import adapter_parameters
-
             self.snapshot = [p.detach().clone() for p in adapter_parameters(self.model)]
         else:
             _requantize(self.reference, self.model)
@@ -94,9 +94,6 @@ def _requantize(reference: Decoder, policy: Decoder):
     projection): a reference on tiers keeps its host copies (pinned on CUDA) and the
     residency manager's view of them. Between steps every tiered layer is cold, so those
     tensors are the host copies."""
-    from orbitrl.model.quant import FrozenLinear
-    from orbitrl.model.quant import leaf_tensors
-
     pmods = dict(policy.named_modules())
     for name, mod in list(reference.named_modules()):
         if isinstance(mod, FrozenLinear):
@@ -118,8 +115,6 @@ def _requantize(reference: Decoder, policy: Decoder):
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded (DTensor) parameter: a collective every rank joins
     (ranks refresh their replicated reference together, on the same reduced KL)."""
-    from orbitrl.model.dtensor import is_dtensor
-
     t = t.detach()
     return t.full_tensor() if is_dtensor(t) else t
 

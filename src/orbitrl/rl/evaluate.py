@@ -12,9 +12,14 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
+from orbitrl.distributed.collective import Collective
+from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.errors import OrbitError
+from orbitrl.model.tokenizer import encode_prompt
+from orbitrl.rewards import RewardRunner, RewardSource, get_reward
 
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
     """Dataset fields handed to a reward: all but the prompt, with the answer under
@@ -55,8 +60,6 @@ class Evaluator:
     def __init__(self, engine, encode: Callable, data, max_tokens: int, timeout_s=None,
                  weights=nullcontext, coll=None, context: int | None = None,
                  trajectories=None):
-        from orbitrl.distributed.collective import Collective
-
         self._engine, self.encode, self.data = engine, encode, data
         self.trajectories = trajectories  # multi-turn: Rollouts.trajectories
         self.max_tokens, self.timeout_s, self.weights = max_tokens, timeout_s, weights
@@ -99,8 +102,6 @@ class Evaluator:
         Raises:
             OrbitError: a request the engine rejected (naming the prompt's index).
         """
-        from orbitrl.engine import Request
-
         if progress:
             print(f"{label}: {len(prompts)} requests, {sum(p.n for p in params)} samples",
                   file=sys.stderr, flush=True)
@@ -157,8 +158,6 @@ class Evaluator:
     def _judge(self, rows, reward, grader, version):
         """(reward sum, correct sum) over every rank's share of ``rows``, and this rank's
         records."""
-        from orbitrl.engine import SamplingParams
-
         d = self.data
         total = len(rows)
         a, b = self.coll.share(total)  # each rank scores its share, the sum is reduced
@@ -198,8 +197,6 @@ class Evaluator:
                 float(self.coll.all_sum(float(sum(correct)))), records)
 
     def _runner(self, reward):
-        from orbitrl.rewards import RewardRunner, RewardSource, get_reward
-
         if isinstance(reward, RewardRunner):
             return reward
         name = reward if isinstance(reward, str) else getattr(reward, "__name__", "reward")
@@ -239,11 +236,6 @@ def accuracy(model, tokenizer, rows: list[dict], reward_fn, prompt_field: str = 
              chat_template: bool = False) -> tuple[float, list[dict]]:
     """Mean reward of greedy completions of a model outside a run (scripts); returns
     (accuracy, per-row records)."""
-    from types import SimpleNamespace
-
-    from orbitrl.engine import Engine
-    from orbitrl.model.tokenizer import encode_prompt
-
     data = SimpleNamespace(prompt_field=prompt_field, answer_field=answer_field)
     ev = Evaluator(Engine(model, tokenizer), lambda t: encode_prompt(tokenizer, t, chat_template),
                    data, max_tokens)

@@ -26,6 +26,7 @@ import threading
 import time
 
 from orbitrl.model.lora import adapter_view, snapshot_adapters
+from orbitrl.observe.metrics import PhaseTimer
 
 
 class Cancelled(Exception):
@@ -42,8 +43,6 @@ def producer(judged, device):
         judged: the run's ``rl.refill.Refill`` (``Rollouts`` then ``Scorer.judge``, round
             after round); device: where the timer measures.
     """
-    from orbitrl.observe.metrics import PhaseTimer
-
     def produce(j: int, version: int, cancel):
         timer = PhaseTimer(device)
         return judged(j, version, cancel, Cancelled, timer, eval_mode=False)

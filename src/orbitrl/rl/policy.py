@@ -26,6 +26,8 @@ from orbitrl.ledger.runtime import choose_base_dtype, reference_needed
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.lora import adapter_parameters, apply_lora
+from orbitrl.model.quant import cache_dequantized, check_format, finish_frozen, quantizing_hook
 from orbitrl.model.weights import load_model
 from orbitrl.train.residency import LayerResidency
 
@@ -56,7 +58,6 @@ def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
     """Load with the frozen projections stored in ``fmt`` (None: plain dtype)."""
     if fmt is None:
         return load_model(path, dtype=dtype, device=device)
-    from orbitrl.model.quant import check_format, finish_frozen, quantizing_hook
 
     check_format(fmt, device, key="model.base_dtype")
     model = load_model(path, dtype=dtype, device=device, on_tensor=quantizing_hook(fmt))
@@ -97,14 +98,11 @@ def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
     # rollout rank) gets what every rank of a torchrun run gets
     resolve_base(cfg, device, 0, distributed=True)
     if cfg.train.mode == "adapter":
-        from orbitrl.model.lora import adapter_parameters, apply_lora
-
         model = load_base(path, _BASE[cfg.model.base_dtype], dtype, device)
         apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                    targets=cfg.lora.targets, experts=cfg.lora.experts)
         trainable = adapter_parameters(model)
         reference = residency = ref_residency = None
-        from orbitrl.model.quant import cache_dequantized
 
         cache_dequantized(model, cfg.model.dequant_cache_mb << 20,
                           torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16)

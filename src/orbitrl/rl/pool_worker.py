@@ -21,6 +21,10 @@ from orbitrl.distributed.channel import FINISH, ORDER, STOP, WEIGHTS, Channel
 from orbitrl.distributed.roles import LEADER
 from orbitrl.distributed.weight_sync import WeightSync, synced
 from orbitrl.engine import Request, SamplingParams
+from orbitrl.model.tokenizer import encode_prompt
+from orbitrl.rl.policy import build_policy, pick_device
+from orbitrl.rl.rollout import build_engine
+from orbitrl.rl.trainer import seed_everything
 from orbitrl.rl.types import Sample
 
 
@@ -206,11 +210,6 @@ class RolloutWorker:
 
 def run_rollout_rank(cfg, roles, train_rows: list[dict]):
     """Build this rank's policy and engine and serve the leader until it says stop."""
-    from orbitrl.model.tokenizer import encode_prompt
-    from orbitrl.rl.policy import build_policy, pick_device
-    from orbitrl.rl.rollout import build_engine
-    from orbitrl.rl.trainer import seed_everything
-
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     device = pick_device(cfg.model.device)
     policy = build_policy(cfg, device, reference=False)  # (it never scores)

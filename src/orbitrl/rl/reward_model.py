@@ -14,19 +14,17 @@ import threading
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from orbitrl.errors import OrbitError
+from orbitrl.model import load_model, load_tokenizer
+from orbitrl.model.builtin import resolve_model_path
 
 HEAD_FILE = "reward_head.safetensors"
 
 
 class RewardModel:
     def __init__(self, path: str | Path, device="cpu"):
-        from safetensors.torch import load_file
-
-        from orbitrl.model import load_model, load_tokenizer
-        from orbitrl.model.builtin import resolve_model_path
-
         self.path = resolve_model_path(path)
         head = self.path / HEAD_FILE
         if not head.exists():
@@ -56,7 +54,5 @@ class RewardModel:
 
 def save_reward_head(path: str | Path, weight: torch.Tensor, bias: torch.Tensor):
     """Write the scalar head beside a model directory's weights."""
-    from safetensors.torch import save_file
-
     save_file({"weight": weight.detach().reshape(1, -1).contiguous().cpu(),
                "bias": bias.detach().reshape(1).contiguous().cpu()}, str(Path(path) / HEAD_FILE))

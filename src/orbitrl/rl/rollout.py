@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from orbitrl.engine import Request, SamplingParams
+from orbitrl.engine import Engine, Request, SamplingParams
+from orbitrl.engine.engine import kv_block_bytes
+from orbitrl.engine.governor import available_memory
 from orbitrl.errors import OrbitError
+from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
+from orbitrl.observe.memory import tensor_bytes
+from orbitrl.rl.trajectory import trajectories_fn
 from orbitrl.rl.types import Rollout, Sample
 
 
@@ -129,8 +134,6 @@ class Rollouts:
         """Samples of multi-turn trajectories (``env.name`` set), their metrics and the
         records to log (rl/trajectory.py)."""
         if getattr(self, "_turns", None) is None:
-            from orbitrl.rl.trajectory import trajectories_fn
-
             self._turns = trajectories_fn(self.engine, self.engine.tokenizer, self.encode,
                                           self.cfg)
         return self._turns(rows, params, version, seed, first, step, timeout_s)
@@ -152,12 +155,6 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     """The engine and its KV plan: the pool from ``rollout.kv_budget_mb`` or, at 0, from the
     memory training's predicted need leaves (``ledger.runtime.kv_pool_for_run``; the plan's
     ``cap`` bounds the governor's growth). Returns (engine, plan or None)."""
-    from orbitrl.engine import Engine
-    from orbitrl.engine.engine import kv_block_bytes
-    from orbitrl.engine.governor import available_memory
-    from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
-    from orbitrl.observe.memory import tensor_bytes
-
     r, c = cfg.rollout, model.config
     kv_dtype = engine_kv_dtype(r.kv_dtype)
     plan, budget = None, int(r.kv_budget_mb * 2**20)

@@ -11,11 +11,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from orbitrl.config import Config, save_config
 from orbitrl.data.datasets import load_rows, task_rows
+from orbitrl.distributed.collective import Collective
+from orbitrl.distributed.roles import assign_roles
 from orbitrl.errors import OrbitError
+from orbitrl.model.adapters import save_adapters
+from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.lora import routed_adapters
+from orbitrl.model.weights import save_pretrained
 from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
-from orbitrl.rewards.graders import reward_gap_warning
+from orbitrl.observe.schedule import balance_line
+from orbitrl.rewards import get_reward
+from orbitrl.rewards.graders import reward_gap_warning, run_grader
+from orbitrl.rl.checkpoint import Checkpointer, resume_from
+from orbitrl.rl.pool_worker import run_rollout_rank
+from orbitrl.rl.trainer import RLTrainer, StepAbandoned
 
 
 def load_data(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -44,11 +57,6 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
 
     ``dist``: this process's :class:`orbitrl.distributed.env.Dist` under torchrun (every rank
     runs this function; rank 0 alone writes metrics, summary and the final policy)."""
-    from orbitrl.distributed.collective import Collective
-    from orbitrl.distributed.roles import assign_roles
-    from orbitrl.rl.checkpoint import Checkpointer
-    from orbitrl.rl.trainer import RLTrainer
-
     roles = assign_roles(cfg, dist) if dist is not None else None
     world = dist.world if dist is not None else 1
     check_rewards(cfg)  # fail on a bad name before loading
@@ -59,8 +67,6 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     train_rows, held = load_data(cfg)
     if roles is not None:  # separate pools: rollout ranks serve the leader, then leave
         if roles.is_rollout:
-            from orbitrl.rl.pool_worker import run_rollout_rank
-
             run_rollout_rank(cfg, roles, train_rows)
             return {}
         dist = roles.train_dist
@@ -101,8 +107,6 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
 
 def schedule_summary(trainer, cfg: Config, world: int, echo) -> dict:
     """The shape and the rank split the measured rates propose (printed, and kept)."""
-    from orbitrl.observe.schedule import balance_line
-
     s = cfg.schedule
     rollout = s.rollout_ranks if s.shape != "colocated" else world
     out = {"schedule_shape": s.shape, "world_size": world}
@@ -118,8 +122,6 @@ def schedule_summary(trainer, cfg: Config, world: int, echo) -> dict:
 
 def check_rewards(cfg: Config):
     """Every named reward resolves (reward models load later, with the trainer)."""
-    from orbitrl.rewards import get_reward
-
     for name in [cfg.reward.name, *cfg.reward.extra]:
         if not str(name).startswith("rm:"):
             get_reward(name)
@@ -150,8 +152,6 @@ class RunStart:
 
     @classmethod
     def begin(cls, trainer, latest: Path | None, held: list[dict], clock: RunClock, echo):
-        from orbitrl.rl.checkpoint import resume_from
-
         cfg = trainer.cfg
         # the built-in task also reports whether the number was right in any format, so the
         # share of a gain that is arithmetic and the share that is answer format are visible
@@ -182,8 +182,6 @@ def train_loop(trainer, cfg: Config, coll, ckpt, run_dir: Path, start: RunStart,
     """Steps until ``train.max_steps``, the time budget or a signal; returns why it ended.
     With ``eval.every``, every N-th step's row also holds the held-out accuracy and reward
     (``heldout_accuracy``, ``heldout_reward``, ``heldout_rows``)."""
-    from orbitrl.rl.trainer import StepAbandoned
-
     log = RunLog(run_dir, cfg, coll, trainer.iteration)
     if start.rewards is None:  # every step's mean reward: the summary's averages
         start.rewards = [r["reward_mean"] for r in log.kept]
@@ -280,8 +278,6 @@ def held_out(trainer, held: list[dict], rows: int = 0, max_seconds: float = 0.0)
     """Greedy completions of the held-out rows (the first ``rows``; 0: all) judged by the
     run's strict grader (``eval.grader``, rewards/graders.py), the training reward beside it
     (:class:`orbitrl.rl.evaluate.Judged`)."""
-    from orbitrl.rewards.graders import run_grader
-
     return trainer.evaluator.judge(held[:rows or None], trainer.rewards, run_grader(trainer.cfg)[1],
                                    max_seconds,
                                    trainer.step_idx)
@@ -299,8 +295,6 @@ def evaluate_after(trainer, held: list[dict], start: RunStart) -> dict:
 def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunClock,
                 coll) -> dict:
     """summary.json: held-out accuracy before and after, rewards, skips, memory."""
-    from orbitrl.rewards.graders import run_grader
-
     cfg, rewards = trainer.cfg, start.rewards
     extra_acc = {}
     if start.lenient:
@@ -340,8 +334,6 @@ class Progress:
     SCALE = 1000
 
     def __init__(self, max_steps: int, budget_s: float, start_step: int, disable: bool):
-        from tqdm import tqdm
-
         self.max_steps, self.budget_s, self.start = max_steps, budget_s, start_step
         self.t0 = time.perf_counter()
         if budget_s:
@@ -421,13 +413,8 @@ def save_policy(trainer, out: Path):
 
 
 def _save_policy(trainer, out: Path):
-    from orbitrl.model.lora import routed_adapters
-
     # adapters on a mixture's routed experts have no PEFT layout: merged weights instead
     if trainer.cfg.train.mode == "adapter" and not routed_adapters(trainer.model):
-        from orbitrl.model.adapters import save_adapters
-        from orbitrl.model.builtin import resolve_model_path
-
         # the base directory and the tokenizer beside the adapters: peft's
         # AutoPeftModelForCausalLM.from_pretrained(out) then needs nothing else
         base = resolve_model_path(trainer.cfg.model.path).resolve()
@@ -435,8 +422,6 @@ def _save_policy(trainer, out: Path):
                       trained_base=trainer.cfg.model.base_dtype)
         trainer.tok.save_pretrained(str(out))
     else:
-        from orbitrl.model.weights import save_pretrained
-
         save_pretrained(trainer.model, out, tokenizer=trainer.tok)
 
 

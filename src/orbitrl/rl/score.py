@@ -24,8 +24,9 @@ from orbitrl.rl import advantages as A
 from orbitrl.rl.batch import micro_batches, pack, score
 from orbitrl.rl.evaluate import reward_fields
 from orbitrl.rl.losses import kl_estimate
-from orbitrl.rl.routing import attach_routing, replay_check
 from orbitrl.rl.parallel import Workers, split_parts
+from orbitrl.rl.reward_model import RewardModel
+from orbitrl.rl.routing import attach_routing, replay_check
 from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused
 
@@ -41,8 +42,6 @@ def reward_sources(rc) -> list:
     out = []
     for n, w in zip(names, weights):
         if str(n).startswith("rm:"):
-            from orbitrl.rl.reward_model import RewardModel
-
             out.append(RewardSource(RewardModel(n[3:]), weight=w, name="rm"))
         else:
             out.append(RewardSource(get_reward(n, rc), weight=w, name=n))

@@ -193,7 +193,7 @@ class SeparatePools(RolloutSource):
     def predictor(self, cfg, slots: int, world: int, prompt_len: int):
         if not self.roles.is_leader:  # the leader predicts the whole step
             return None
-        from orbitrl.rl.pools import steps_ahead
+        from orbitrl.rl.pools import steps_ahead  # (torchrun pools only)
 
         s, r = cfg.schedule, self.roles
         return StepPredictor(s.shape, r.world, len(r.rollout_ranks), steps_ahead(cfg),

@@ -24,8 +24,10 @@ from orbitrl.engine import Request, SamplingParams
 from orbitrl.envs import get_env
 from orbitrl.envs.base import as_step_result
 from orbitrl.envs.calls import EnvCalls
-from orbitrl.envs.tools import describe_tools
+from orbitrl.envs.tool_env import syntax_of, tools_of
+from orbitrl.envs.tools import describe_tools, tool_schemas
 from orbitrl.errors import OrbitError
+from orbitrl.ledger.kv import waiting_kv_bytes
 from orbitrl.rl.types import Sample
 
 
@@ -133,7 +135,6 @@ class TurnLoop:
         self.engine, self.tok, self.encode, self.cfg, self.ecfg = engine, tok, encode, cfg, cfg.env
         self.factory = get_env(self.ecfg.name)
         self.fmt = TurnFormat(tok, self.ecfg, cfg.data.chat_template, schemas or [])
-        from orbitrl.envs.tool_env import syntax_of
 
         self.syntax = syntax_of(self.ecfg)  # observations are cut and their markers escaped
         limit = self.ecfg.max_total_tokens or engine.max_model_len
@@ -243,8 +244,6 @@ class TurnLoop:
         """The KV of trajectories waiting for their environments: measured (blocks held
         by parked sequences, bytes on the host) against the ledger's price of the same
         contexts (``ledger.kv.waiting_kv_bytes``), at the wait's peak."""
-        from orbitrl.ledger.kv import waiting_kv_bytes
-
         parked = self.engine.scheduler.parked
         if not parked:
             return
@@ -419,9 +418,6 @@ def trajectories_fn(engine, tok, encode, cfg):
     limit (None: ``rollout.timeout_s``)."""
     schemas = []
     if cfg.env.name == "tools":
-        from orbitrl.envs.tool_env import tools_of
-        from orbitrl.envs.tools import tool_schemas
-
         schemas = tool_schemas(tools_of(cfg.env, cfg))
     loop = TurnLoop(engine, tok, encode, cfg, schemas)
 

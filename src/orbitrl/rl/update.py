@@ -22,7 +22,7 @@ from orbitrl.rl.guards import layer_grad_norms
 from orbitrl.rl.parallel import Workers, accumulate
 from orbitrl.rl.losses import kl_estimate, kl_loss, policy_loss, value_loss
 from orbitrl.rl.types import Scored, StepAbandoned, Update
-from orbitrl.train.optim import is_fused, lr_at
+from orbitrl.train.optim import build_optimizer as build_fused, is_fused, lr_at
 
 
 def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSection,
@@ -330,8 +330,6 @@ def build_optimizer(t, params, veto):
             except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
                 pass
         return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    from orbitrl.train.optim import build_optimizer as build_fused
-
     opt = build_fused(name, params, t.lr, clip=None if t.clip == "auto" else t.clip,
                       max_grad_norm=t.max_grad_norm)
     opt.veto = veto

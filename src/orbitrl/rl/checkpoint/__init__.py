@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from orbitrl.distributed import checkpoint as dcp
 from orbitrl.errors import OrbitError
 from orbitrl.rl.checkpoint.sharded import capture_sharded, restore_sharded, \
     restore_whole_into_shards
@@ -79,8 +80,6 @@ class Checkpointer:
 
     def _save_sharded(self, tr, extra: dict):
         """All ranks write their shards at once, then rank 0 publishes the directory."""
-        from orbitrl.distributed import checkpoint as dcp
-
         d = self.dist
         step = tr.iteration
         final = self.root / f"step-{step:06d}"

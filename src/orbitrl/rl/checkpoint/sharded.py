@@ -13,14 +13,17 @@ from pathlib import Path
 
 import torch
 
+from orbitrl.distributed import checkpoint as dcp
+from orbitrl.distributed.checkpoint import dim0_shard, local_rows, shard_like
+from orbitrl.distributed.fsdp import reshard
 from orbitrl.errors import OrbitError
 from orbitrl.model.dtensor import is_dtensor, local
+from orbitrl.model.lora import adapter_parameters
 from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
+from orbitrl.train.optim import is_fused
 
 
 def _trainable_names(tr) -> list[str]:
-    from orbitrl.distributed.fsdp import reshard
-
     reshard(tr.model)  # the registered parameters are the sharded ones
     ids = {id(p): n for n, p in tr.model.named_parameters(remove_duplicate=False)}
     return [ids[id(p)] for p in tr.policy.trainable]
@@ -28,8 +31,6 @@ def _trainable_names(tr) -> list[str]:
 
 def _split(opt, key: str, p, shape=None) -> bool:
     """Whether optimizer state ``key`` of parameter ``p`` is held split by rows as ``p``."""
-    from orbitrl.train.optim import is_fused
-
     if not is_dtensor(p):
         return False
     if is_fused(opt):
@@ -39,8 +40,6 @@ def _split(opt, key: str, p, shape=None) -> bool:
 
 def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
     """(tensors for DCP keyed by name, everything else for rank 0's ``meta.pt``)."""
-    from orbitrl.distributed.checkpoint import dim0_shard
-
     names = _trainable_names(tr)
     tensors, scalars = {}, {}
     for n, p in zip(names, tr.policy.trainable):
@@ -71,14 +70,11 @@ def capture_sharded(tr, extra: dict) -> tuple[dict, dict]:
 
 def restore_whole_into_shards(tr, state: dict):
     """A one-process ``state.pt`` into sharded parameters: each rank keeps its rows."""
-    from orbitrl.distributed.checkpoint import local_rows, shard_like
-
     params = tr.policy.trainable
     with torch.no_grad():
         for p, s in zip(params, state["trainable"]):
             local(p).copy_(local_rows(s, p) if is_dtensor(p) else s)
     tr.opt.load_state_dict(state["optimizer"])
-    from orbitrl.train.optim import is_fused
 
     for p in params:
         st = tr.opt.state.get(p, {})
@@ -87,8 +83,6 @@ def restore_whole_into_shards(tr, state: dict):
                 st[k] = local_rows(v, p) if is_fused(tr.opt) else shard_like(v, p)
     anchors = dict(state["anchors"])
     if anchors.get("snapshot") is not None:
-        from orbitrl.model.lora import adapter_parameters
-
         anchors["snapshot"] = [shard_like(s, p) for s, p in
                                zip(anchors["snapshot"], adapter_parameters(tr.model))]
     tr.anchors.load_state_dict(anchors)
@@ -99,9 +93,6 @@ def restore_whole_into_shards(tr, state: dict):
 
 def restore_sharded(tr, path: Path) -> dict:
     """A DCP checkpoint into this run's layout (one process, or any number of ranks)."""
-    from orbitrl.distributed import checkpoint as dcp
-    from orbitrl.train.optim import is_fused
-
     try:
         meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
     except Exception as e:
@@ -120,8 +111,6 @@ def restore_sharded(tr, path: Path) -> dict:
             p = by_name[n]
             targets[key] = dcp.empty_target(shape, dtype, p, _split(tr.opt, k, p, shape))
         elif key.startswith("anchor/"):
-            from orbitrl.model.lora import adapter_parameters
-
             p = adapter_parameters(tr.model)[int(key.split("/")[1])]
             targets[key] = dcp.empty_target(shape, dtype, p, True)
     with torch.no_grad():

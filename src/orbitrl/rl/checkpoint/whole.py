@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from orbitrl.model.lora import lora_modules
 from orbitrl.rl.checkpoint.state import restore_scalars, scalar_state, to_cpu
 
 
@@ -17,7 +18,6 @@ def capture(tr, extra: dict) -> dict:
     }
     pending = tr.source.pending_snapshots()  # the adapter snapshots the next rollouts
     if pending:  # sample from (rollout.overlap)
-        from orbitrl.model.lora import lora_modules
 
         mods = list(lora_modules(tr.model).values())
         state["overlap_snapshots"] = {k: (v, [view[id(m)] for m in mods])
@@ -35,8 +35,6 @@ def restore(tr, state: dict):
     if tr.snapshot is not None:
         tr.snapshot.save()
     if state.get("overlap_snapshots"):
-        from orbitrl.model.lora import lora_modules
-
         mods = list(lora_modules(tr.model).values())
         dev = tr.policy.trainable[0].device
         tr.source.resume_snapshots = {
