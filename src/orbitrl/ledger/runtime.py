@@ -65,8 +65,7 @@ class RunSpec:
         :func:`auto_micro_batch_tokens` of ``shape`` with ``workers`` micro-batches live at
         once), tiers and the reference's placement as ``rl/policy.py`` sets them."""
         t, r = cfg.train, cfg.rollout
-        # what rl/policy.py sets
-        recompute = recompute or t.recompute is True or t.tiers > 0 or t.offload_activations
+        recompute = recompute or forced_recompute(t)  # what rl/policy.py sets
         compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
         opt = t.optimizer if t.optimizer != "auto" else "adalomo"  # (read in full mode only)
         if t.mode == "adapter":
@@ -174,11 +173,18 @@ def reference_needed(cfg) -> bool:
     return cfg.algo.kl_coef > 0 or bool(cfg.algo.kl_in_reward)
 
 
+def forced_recompute(train) -> bool:
+    """Recomputation the ``train`` keys demand whatever the ledger prices:
+    ``train.recompute: true``, or ``train.tiers`` / ``train.offload_activations``, which
+    work on the layer inputs recomputation keeps."""
+    return train.recompute is True or train.tiers > 0 or bool(train.offload_activations)
+
+
 def resolve_recompute(cfg, hf_config: dict, prompt_len: int, device: str = "cpu",
                       devices: int = 1) -> bool:
-    """``train.recompute`` as the run applies it. True / false as set (``train.tiers`` and
-    ``train.offload_activations`` imply it); ``auto``: adapter mode off (``auto_micro_batch_tokens`` cuts the batch instead: finer
-    micro-batches cost little), full mode on when one micro-batch's saved activations
+    """``train.recompute`` as the run applies it: :func:`forced_recompute`, else false as
+    set; ``auto``: adapter mode off (``auto_micro_batch_tokens`` cuts the batch instead:
+    finer micro-batches cost little), full mode on when one micro-batch's saved activations
     (``samples x (prompt_len + max_tokens)`` tokens up to the micro-batch cap) would exceed
     the bytes of the weights this rank holds (at least ACTIVATION_FLOOR). Full mode cannot
     cut the batch finer without changing the step (its fused update steps per micro-batch),
@@ -186,21 +192,19 @@ def resolve_recompute(cfg, hf_config: dict, prompt_len: int, device: str = "cpu"
     old-logprob pass saves (``Scorer.old_from_update``). SmolLM2-135M, 32 samples x 63
     tokens: 3.5 GB saved without recompute against 0.54 GB of weights: on."""
     t = cfg.train
-    if t.recompute is not True and t.recompute is not False:  # auto
-        if t.tiers > 0 or t.offload_activations:
-            return True
-        if t.mode != "full":
-            return False
-        shape = from_config(hf_config)
-        spec = RunSpec.from_config(cfg, prompt_len, devices, device, False, shape)
-        work = spec.workload
-        tokens = min(spec.micro_batch_tokens,
-                     work.samples_per_step * (work.prompt_len + work.completion_len))
-        saved = activation_bytes(shape, tokens, False, 1, int(PARAM_BYTES[spec.compute]),
-                                 fp64_attention=work.fp64_attention)
-        weights = shape.total_params * spec.strategy.bytes_per_param() / spec.devices
-        return saved > max(int(weights), ACTIVATION_FLOOR)
-    return bool(t.recompute) or t.tiers > 0 or t.offload_activations
+    if forced_recompute(t) or t.recompute is False:
+        return forced_recompute(t)
+    if t.mode != "full":  # auto
+        return False
+    shape = from_config(hf_config)
+    spec = RunSpec.from_config(cfg, prompt_len, devices, device, False, shape)
+    work = spec.workload
+    tokens = min(spec.micro_batch_tokens,
+                 work.samples_per_step * (work.prompt_len + work.completion_len))
+    saved = activation_bytes(shape, tokens, False, 1, int(PARAM_BYTES[spec.compute]),
+                             fp64_attention=work.fp64_attention)
+    weights = shape.total_params * spec.strategy.bytes_per_param() / spec.devices
+    return saved > max(int(weights), ACTIVATION_FLOOR)
 
 
 def micro_batch_tokens(cfg, hf_config: dict, device: str = "cpu", recompute: bool = False,

@@ -22,7 +22,7 @@ import torch
 from orbitrl.config import Config
 from orbitrl.errors import OrbitError
 from orbitrl.engine.governor import available_memory
-from orbitrl.ledger.runtime import choose_base_dtype, reference_needed
+from orbitrl.ledger.runtime import choose_base_dtype, forced_recompute, reference_needed
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.decoder import Decoder
@@ -88,10 +88,11 @@ def resolve_base(cfg: Config, device, prompt_len: int, distributed: bool):
                                              available_memory(device))
 
 
-def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
+def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) -> Policy:
     """The policy as the run trains it; ``reference=False`` skips full mode's int8
     reference (a rollout rank of separate pools never scores), as does a run without a KL
-    term (``ledger.runtime.reference_needed``)."""
+    term (``ledger.runtime.reference_needed``). ``tokenizer``: the run's, when the caller
+    loaded it already (``policy_tokenizer``)."""
     path = resolve_model_path(cfg.model.path)
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     # auto: the trainer resolved it for its prompts (resolve_base); any other caller (a
@@ -125,13 +126,12 @@ def build_policy(cfg: Config, device, reference: bool = True) -> Policy:
             ref_residency = place_on_tiers(reference, device, tiers or 2)
     # (train.recompute auto is resolved by the trainer once the prompts' length is known:
     # ledger/runtime.py resolve_recompute)
-    model.recompute = cfg.train.recompute is True or cfg.train.tiers > 0 or \
-        cfg.train.offload_activations
+    model.recompute = forced_recompute(cfg.train)
     # the layer inputs recompute keeps, held in host memory between forward and backward
     model.offload_activations = cfg.train.offload_activations
     model.attention_fp64 = cfg.model.attention_fp64
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
-    tok = load_tokenizer(path, model.config.vocab_size)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path, model.config.vocab_size)
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
 
 

@@ -22,6 +22,7 @@ prediction; ``close()``.
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ def check_modes(cfg, coll):
                          "weights are sharded and gathered layer by layer already)")
 
 
-class RolloutSource:
+class RolloutSource(abc.ABC):
     """The colocated defaults every source shares (see the module doc)."""
 
     # a stop request may abandon the step in flight (its prompts come again): only where
@@ -72,8 +73,10 @@ class RolloutSource:
         keep them)."""
         return {}
 
+    @abc.abstractmethod
     def next_batch(self, clock: StepClock) -> tuple[Rollout, float | None, float]:
-        raise NotImplementedError
+        """The step's judged batch, the seconds training waited for it (None: it did not
+        wait) and when the step began."""
 
     def position(self):
         return None

@@ -74,7 +74,7 @@ class RLTrainer:
         # mode's int8 reference)
         self.mem = MemoryProbe(self.device, quantized=cfg.train.mode == "full"
                                or cfg.model.base_dtype in ("int8", "nf4"))
-        self.policy = build_policy(cfg, self.device)
+        self.policy = build_policy(cfg, self.device, tokenizer=tok)
         self.coll.shard(self.policy, cfg)
         model = self.policy.model
         # train.recompute auto: the ledger's choice for these prompts (micro-batch, scoring and
