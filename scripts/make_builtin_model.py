@@ -5,6 +5,8 @@ a Qwen2-shaped decoder at random init. `scripts/sft_builtin.py` then warm-starts
 arithmetic task's format. Nothing is downloaded.
 
     python scripts/make_builtin_model.py [--out DIR] [--seed 0]
+    python scripts/make_builtin_model.py --tokenizer-only   # rewrite the tokenizer files of
+                                                            # both built-in models, weights kept
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ OUT = Path(__file__).resolve().parents[1] / "src" / "orbitrl" / "builtin" / "tin
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list(string.digits + "+-*/=?., ") + list(string.ascii_lowercase) + \
     list(string.ascii_uppercase) + list("()[]:;!'\"<>#%&_\n")
+# appended later (ids after the first 90 unchanged): what code needs besides the above
+CODE_CHARS = list("`{}|\\~^$@\t")
 
 
 def make_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS + CODE_CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -73,5 +77,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="rewrite only the tokenizer files of tiny-arith and tiny-arith-moe")
     a = ap.parse_args()
-    print(f"wrote {build(a.out, a.seed)}")
+    if a.tokenizer_only:
+        for d in (OUT, OUT.parent / "tiny-arith-moe"):
+            make_tokenizer().save_pretrained(str(d))
+            print(f"wrote the tokenizer of {d}")
+    else:
+        print(f"wrote {build(a.out, a.seed)}")

@@ -1,6 +1,7 @@
 """The code task end to end on the built-in model: `orbitrl train` (two steps) and
 `orbitrl eval` run, and the sandbox's counts reach metrics.jsonl. The tiny arithmetic model
-does not solve the problems; only the path is checked."""
+does not solve the problems; only the path is checked
+(tests/rl/test_code_learning.py shows the task learning)."""
 
 import json
 

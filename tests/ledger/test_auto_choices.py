@@ -63,3 +63,22 @@ def test_a_reference_is_priced_only_when_a_kl_term_reads_it():
     assert runtime.reference_needed(cfg("algo.kl_coef=0.01"))
     assert runtime.reference_needed(cfg("algo.kl_coef=0", "algo.kl_in_reward=true"))
     assert host_ref("algo.kl_coef=0") == 0 and host_ref("algo.kl_coef=0.01") > 100 << 20
+
+
+def test_offloaded_activations_move_the_layer_inputs_to_the_host_on_a_gpu():
+    """``train.offload_activations`` on CUDA: each recomputed layer's saved input (hidden
+    x tokens in the activations' dtype) leaves the device's train phase for the host, all but the
+    one in flight; on a CPU the host is the device and nothing is saved."""
+    shape = from_config(SMOL)
+    on = cfg("train.mode=full", "train.recompute=true", "train.offload_activations=true")
+    off = cfg("train.mode=full", "train.recompute=true")
+    pon = runtime.runtime_prediction(on, SMOL, 47, device="cuda", recompute=True)
+    poff = runtime.runtime_prediction(off, SMOL, 47, device="cuda", recompute=True)
+    spec = runtime.RunSpec.from_config(on, 47, 1, "cuda", True, shape)
+    tokens = spec.workload.micro * spec.workload.seq_len
+    moved = spec.workload.act_bytes * tokens * shape.hidden * (shape.num_layers - 1)
+    assert poff["train"] - pon["train"] == moved
+    assert pon["rollout"] == poff["rollout"] and pon["score"] == poff["score"]
+    cpu_on = runtime.runtime_prediction(on, SMOL, 47, recompute=True)
+    cpu_off = runtime.runtime_prediction(off, SMOL, 47, recompute=True)
+    assert cpu_on["train"] == cpu_off["train"]

@@ -92,3 +92,30 @@ def test_generate_command_with_chat_template(chat_model, tmp_path):
     rc = main(["generate", "--model", str(chat_model), "--prompts", str(src), "--out", str(out),
                "--chat-template", "--temperature", "0", "--max-tokens", "2", "--no-progress"])
     assert rc == 0 and len(out.read_text().splitlines()) == 1
+
+
+def test_builtin_tokenizer_keeps_whitespace_and_code_characters():
+    """The built-in tokenizer is one token per character over its own tokenizer.json; a
+    generic fast tokenizer is loaded as written even where the config's model type (qwen2)
+    has a class of its own in transformers, which would drop spaces and newlines."""
+    tok = load_tokenizer(resolve_model_path("builtin:tiny-arith"))
+    text = "def f(x):\n    return {`x`: x} | 1\n\tok 46"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok.unk_token_id not in ids
+
+
+def test_generic_tokenizer_under_a_model_type_config(tmp_path):
+    """Any directory with a generic tokenizer class and a model type transformers knows."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", " ", "\n", "a", "b"])}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    tok = load_tokenizer(tmp_path)
+    assert tok("a b\nb", add_special_tokens=False)["input_ids"] == [3, 1, 4, 2, 4]

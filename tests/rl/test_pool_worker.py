@@ -76,7 +76,7 @@ def test_watchdog_reads_the_step_in_flight_first():
         eng = w.engine
         eng.static_decode = eng.async_decode = True
         eng.begin_stream()
-        w._add({"step": 0, "rows": [{"prompt": "1 + 1 =", "answer": "2"}], "first": 0,
+        w._add({"step": 0, "rows": [{"prompt": "1+1=", "answer": "2"}], "first": 0,
                 "seed_index": seed})
         while 0 in w.orders:
             w._step()

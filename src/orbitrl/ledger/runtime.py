@@ -53,6 +53,7 @@ class RunSpec:
     dequant_cache: int = 0
     workers: int = 1  # micro-batches scored and trained side by side (train.workers)
     micro_batch_tokens: int = 0  # train.micro_batch_tokens, or the auto choice at 0
+    offload_activations: bool = False  # train.offload_activations: saved layer inputs on the host
 
     @classmethod
     def from_config(cls, cfg, prompt_len: int, devices: int = 1, device: str = "cpu",
@@ -97,7 +98,8 @@ class RunSpec:
                             else "none",
                             offload=2 if tiers else 0)
         return cls(strat, work, roles, compute, opt, kv_dtype, tiers, pulled, n, device,
-                   cfg.model.dequant_cache_mb << 20, max(1, workers), int(mb_tokens))
+                   cfg.model.dequant_cache_mb << 20, max(1, workers), int(mb_tokens),
+                   bool(t.offload_activations))
 
 
 def fp64_attention(cfg, device: str) -> bool:
@@ -288,6 +290,16 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
                 ph["actor:fixed"] = fixed
         if tiers:
             host["actor:weights"] -= fixed
+    if spec.offload_activations and spec.device == "cuda" and spec.workload.recompute:
+        # model/decoder.py ActivationOffload: every recomputed layer's saved input lives in
+        # pinned host memory between forward and backward; the device keeps the layer being
+        # recomputed (its full set, in activations:saved) and one input in flight
+        work = spec.workload
+        tokens = work.micro * work.seq_len
+        inputs = work.act_bytes * tokens * shape.hidden * shape.num_layers
+        moved = inputs - work.act_bytes * tokens * shape.hidden
+        terms["train"]["activations:saved"] -= moved
+        host["activations:offloaded"] = moved * spec.workers
     # side-by-side workers (rl/parallel.py) hold one micro-batch's activations each
     for ph, keys in (("score", ("activations:forward", "activations:logits")),
                      ("train", ("activations:saved", "activations:logits"))):

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from orbitrl.errors import OrbitError
+
+
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _generic_class(path: Path) -> bool:
+    """Whether the directory's tokenizer is a generic fast one over its own tokenizer.json."""
+    conf = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not conf.is_file():
+        return False
+    try:
+        return json.loads(conf.read_text()).get("tokenizer_class") in GENERIC_CLASSES
+    except (OSError, ValueError):
+        return False  # AutoTokenizer reports a broken directory in its own words
 
 
 def load_tokenizer(path: str | Path, vocab_size: int | None = None):
@@ -17,7 +32,15 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     from transformers import AutoTokenizer  # start-up: transformers takes seconds
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if _generic_class(Path(path)):
+            # transformers 5 swaps a generic fast tokenizer for the model type's own class
+            # (Qwen2Tokenizer for a qwen2 config), which rebuilds a byte-level BPE from the
+            # vocabulary and drops every character outside it: tokenizer.json as written
+            from transformers import PreTrainedTokenizerFast  # start-up, as above
+
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OrbitError(f"{path}: cannot load a tokenizer ({msg})") from None

@@ -17,7 +17,6 @@ from orbitrl.engine.governor import available_memory
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
 from orbitrl.observe.memory import tensor_bytes
-from orbitrl.rl.trajectory import trajectories_fn
 from orbitrl.rl.types import Rollout, Sample
 
 
@@ -49,21 +48,29 @@ class Rollouts:
     """Step rollouts for one run.
 
     Args:
-        cfg: the run's Config (``rollout.*``, ``data.prompt_field``, ``train.seed``,
-            ``dist.rollout_weights``).
+        rollout: the run's ``rollout`` section.
+        dist: the ``dist`` section (``rollout_weights``, ``reshard_after_forward``).
+        seed: ``train.seed`` (each step's sampling seed derives from it).
+        prompt_field: ``data.prompt_field``, the row field each prompt is read from.
         engine, governor: the engine and its KV governor (None: a fixed pool).
         model: the policy (eval mode for sampling on the training thread).
         encode: prompt text -> token ids, as training encodes it.
         data: the run's DataCursor.
         coll: the Collective (this rank's share of the prompts, sharded generation).
+        turns: for a multi-turn environment (``env.name`` set), a factory of the trajectory
+            runner (``rl.trajectory.trajectories_fn``), built at the first rollout; None for
+            single-turn rollouts.
     """
 
-    def __init__(self, cfg, engine, governor, model, encode: Callable, data, coll):
-        self.cfg, self.engine, self.governor, self.model = cfg, engine, governor, model
+    def __init__(self, rollout, dist, seed: int, prompt_field: str, engine, governor, model,
+                 encode: Callable, data, coll, turns: Callable | None = None):
+        self.r, self.dist, self.seed, self.field = rollout, dist, seed, prompt_field
+        self.engine, self.governor, self.model = engine, governor, model
         self.encode, self.data, self.coll = encode, data, coll
+        self._make_turns, self._turns = turns, None
 
     def sampling(self, deterministic_greedy: bool = False) -> SamplingParams:
-        r = self.cfg.rollout
+        r = self.r
         if deterministic_greedy:
             return SamplingParams(n=1, max_tokens=r.max_tokens, temperature=0.0)
         return SamplingParams(n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
@@ -72,7 +79,7 @@ class Rollouts:
     def weights(self):
         """The weights generation runs on: sharded in lockstep or gathered (one process:
         the model as it is)."""
-        d = self.cfg.dist
+        d = self.dist
         return self.coll.rollout_weights(self.model, d.rollout_weights,
                                          d.reshard_after_forward)
 
@@ -96,7 +103,7 @@ class Rollouts:
             timeout_s: the watchdog's limit for this round (None: ``rollout.timeout_s``;
                 0: none).
         """
-        r = self.cfg.rollout
+        r = self.r
         P = r.prompts_per_step if prompts is None else prompts
         a, b = self.coll.share(P)
         rows = self.data.draw(P)[a:b]
@@ -109,14 +116,14 @@ class Rollouts:
                     self.model.eval()
                 gen0 = self.engine.stats["generated_tokens"]
                 wd0 = self.engine.stats.get("watchdog_events", 0)
-                seed = self.cfg.train.seed * 7919 + seed_index
+                seed = self.seed * 7919 + seed_index
                 env, logged = {}, []
-                if self.cfg.env.name:
+                if self._make_turns is not None:
                     samples, env, logged = self.trajectories(rows, self.sampling(), version,
                                                              seed, first + a, seed_index,
                                                              timeout_s)
                 else:
-                    samples = generate(self.engine, [self.encode(x[self.cfg.data.prompt_field])
+                    samples = generate(self.engine, [self.encode(x[self.field])
                                                      for x in rows], rows, self.sampling(),
                                        version, seed, deadline_s=timeout_s or None,
                                        first=first + a)
@@ -133,9 +140,8 @@ class Rollouts:
                      step: int = 0, timeout_s: float | None = None):
         """Samples of multi-turn trajectories (``env.name`` set), their metrics and the
         records to log (rl/trajectory.py)."""
-        if getattr(self, "_turns", None) is None:
-            self._turns = trajectories_fn(self.engine, self.engine.tokenizer, self.encode,
-                                          self.cfg)
+        if self._turns is None:
+            self._turns = self._make_turns()
         return self._turns(rows, params, version, seed, first, step, timeout_s)
 
     def _hook(self, stop, stop_error):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from functools import partial
 
 import torch
 
@@ -39,6 +40,7 @@ from orbitrl.rl.refill import Refill
 from orbitrl.rl.rollout import Rollouts, build_engine
 from orbitrl.rl.score import Scorer, reward_sources
 from orbitrl.rl.sources import StepClock, check_modes, rollout_source
+from orbitrl.rl.trajectory import trajectories_fn
 from orbitrl.rl.types import StepAbandoned, StepScore, Update
 from orbitrl.rl.update import Updater, build_optimizer
 from orbitrl.train.optim import is_fused
@@ -119,8 +121,11 @@ class RLTrainer:
                              kl_ctl, critic, self.opt, self.coll, self.workers,
                              mb_tokens=mb_tokens, frozen_base=cfg.train.mode == "adapter",
                              replay_check_every=cfg.moe.replay_check_every)
-        rollouts = Rollouts(cfg, self.engine, self.governor, model, self.encode, self.data,
-                            self.coll)
+        turns = (partial(trajectories_fn, self.engine, self.engine.tokenizer, self.encode, cfg)
+                 if cfg.env.name else None)
+        rollouts = Rollouts(cfg.rollout, cfg.dist, cfg.train.seed, cfg.data.prompt_field,
+                            self.engine, self.governor, model, self.encode, self.data,
+                            self.coll, turns)
         # judged rollouts, with dynamic sampling's refill rounds (either thread draws them)
         refill = Refill(a, cfg.rollout, rollouts, self.scorer.judge, self.scorer.informative,
                         self.coll)
