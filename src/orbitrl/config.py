@@ -30,7 +30,8 @@ def _require(section, name: str, keys, ok, what: str):
 
 @dataclass
 class ModelSection:
-    path: str = BUILTIN_MODEL  # HF model directory, or the built-in tiny model
+    path: str = BUILTIN_MODEL  # a model directory, a Hugging Face Hub id (org/name, or org/name@revision; from the local cache, downloaded when the network allows: docs/models.md), or builtin:NAME
+    revision: str = ""  # Hub revision (branch, tag or commit) for a Hub id in model.path that names none; empty: main
     base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4"] = "auto"  # frozen base storage (adapter mode); auto: the widest of the compute dtype, int8 and nf4 whose predicted peak stays within a quarter of the memory free at start (ledger/runtime.py choose_base_dtype; nf4 under torchrun)
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype (fp32 on CPUs)
     device: str = "auto"  # auto, cpu, cuda or cuda:N

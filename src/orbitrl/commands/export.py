@@ -42,7 +42,7 @@ def run(args) -> int:
         load_adapters, save_merged, trained_base)
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
 
-    path = resolve_model_path(cfg.model.path).resolve()
+    path = resolve_model_path(cfg.model.path, cfg.model.revision).resolve()
     if args.format == "peft":
         shutil.copytree(final, out, dirs_exist_ok=True)
         _complete_peft_dir(out, path)

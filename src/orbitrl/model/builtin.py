@@ -1,16 +1,21 @@
-"""Where the shipped models live: ``builtin:NAME`` -> the package's builtin/NAME directory."""
+"""Where a model's files live: ``builtin:NAME`` -> the package's builtin/NAME directory, a
+local directory as given, a Hugging Face Hub id (``org/name[@revision]``) -> its snapshot in
+the local cache (model/hub.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.hub import parse_hub_id, resolve_hub_id
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "builtin"
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """Model directory for a path or a ``builtin:NAME`` reference; checks it exists."""
+def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
+    """Model directory for a path, a ``builtin:NAME`` reference or a Hub id (``revision``
+    applies to an id that names none); checks it exists. An existing directory wins over a
+    Hub id of the same spelling."""
     s = str(path)
     if s.startswith("builtin:"):
         p = BUILTIN_DIR / s.split(":", 1)[1]
@@ -19,6 +24,8 @@ def resolve_model_path(path: str | Path) -> Path:
             raise OrbitError(f"model.path {s!r}: no such built-in model (have: {known})")
         return p
     p = Path(s).expanduser()
+    if not p.exists() and not s.startswith((".", "/", "~")) and parse_hub_id(s):
+        return resolve_hub_id(s, revision)
     if not p.exists():
         raise OrbitError(f"{p}: model directory not found")
     if not p.is_dir():

@@ -67,7 +67,7 @@ def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
 
 def policy_tokenizer(cfg: Config):
     """The run's tokenizer, before the weights load (its prompts' length prices the run)."""
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(cfg.model.path, cfg.model.revision)
     vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
     return load_tokenizer(path, vocab)
 
@@ -82,7 +82,7 @@ def resolve_base(cfg: Config, device, prompt_len: int, distributed: bool):
     if distributed:
         cfg.model.base_dtype = "nf4" if cfg.train.mode == "adapter" else "fp32"
         return
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(cfg.model.path, cfg.model.revision)
     hf = json.loads((path / "config.json").read_text())
     cfg.model.base_dtype = choose_base_dtype(cfg, hf, prompt_len, torch.device(device).type,
                                              available_memory(device))
@@ -93,7 +93,7 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     reference (a rollout rank of separate pools never scores), as does a run without a KL
     term (``ledger.runtime.reference_needed``). ``tokenizer``: the run's, when the caller
     loaded it already (``policy_tokenizer``)."""
-    path = resolve_model_path(cfg.model.path)
+    path = resolve_model_path(cfg.model.path, cfg.model.revision)
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     # auto: the trainer resolved it for its prompts (resolve_base); any other caller (a
     # rollout rank) gets what every rank of a torchrun run gets

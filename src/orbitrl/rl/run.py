@@ -417,7 +417,7 @@ def _save_policy(trainer, out: Path):
     if trainer.cfg.train.mode == "adapter" and not routed_adapters(trainer.model):
         # the base directory and the tokenizer beside the adapters: peft's
         # AutoPeftModelForCausalLM.from_pretrained(out) then needs nothing else
-        base = resolve_model_path(trainer.cfg.model.path).resolve()
+        base = resolve_model_path(trainer.cfg.model.path, trainer.cfg.model.revision).resolve()
         save_adapters(trainer.model, out, base_model_name_or_path=base,
                       trained_base=trainer.cfg.model.base_dtype)
         trainer.tok.save_pretrained(str(out))
