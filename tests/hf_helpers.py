@@ -4,6 +4,8 @@ would be ambiguous across test directories)."""
 
 import torch
 
+# special token ids inside the tiny vocabulary (these families' defaults lie beyond it)
+SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Tiny configs per family: GQA, tied/untied, biases, q/k norm, rope scaling, sliding window.
 FAMILY_CONFIGS = {
     "llama": dict(model_type="llama", attention_bias=False, tie_word_embeddings=False),
@@ -16,6 +18,13 @@ FAMILY_CONFIGS = {
     "mistral": dict(model_type="mistral", sliding_window=5),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=24),
+    # SmolLM3: the second layer without rotary embeddings (NoPE)
+    "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0], tie_word_embeddings=True,
+                    **SMALL_IDS),
+    # OLMo 2: post-norm blocks, q/k norm over the whole projection; OLMo 3 adds a sliding layer
+    "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, **SMALL_IDS),
+    "olmo3": dict(model_type="olmo3", sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"], **SMALL_IDS),
 }
 
 # Tiny mixtures: top-2 softmax routing (Mixtral, with a sliding window and a tied head),

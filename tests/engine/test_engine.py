@@ -10,7 +10,8 @@ from orbitrl.engine.sampler import filter_logits
 from hf_helpers import GREEDY, hf_greedy as _hf_greedy, random_prompts, unconstrained_run
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama3", "smollm3", "olmo2",
+                                    "olmo3"])
 def test_greedy_matches_transformers(hf_dirs, family):
     path, hf = hf_dirs[family]
     model = orbitrl.load_model(path)

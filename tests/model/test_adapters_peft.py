@@ -45,6 +45,8 @@ IDS = torch.randint(0, 97, (3, 10), generator=torch.Generator().manual_seed(5))
     ("llama", "all-linear"),
     ("qwen2", ["q_proj", "v_proj"]),  # tied embeddings, qkv bias
     ("qwen3", r"re:model\.layers\.1\.(self_attn\.o_proj|mlp\.up_proj)"),  # q/k norm, subset
+    ("smollm3", "all-linear"),  # a NoPE layer
+    ("olmo2", "all-linear"),  # post-norm, whole-projection q/k norm
 ])
 def test_peft_loads_our_adapters(hf_dirs, tmp_path, family, targets):
     path, ref = hf_dirs[family]

@@ -50,7 +50,7 @@ def test_padding_rows_do_not_leak(hf_dirs):
     assert (a - b[:, :6]).abs().max().item() < 1e-6
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "olmo3"])
 def test_export_round_trip(hf_dirs, family, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -1,5 +1,6 @@
-"""Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3, and
-the mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe.py``)."""
+"""Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3,
+SmolLM3, OLMo 2 / OLMo 3, and the mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE:
+see ``moe.py``; docs/models.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ FAMILIES = {
     "mixtral": (False, False),
     "qwen2_moe": (True, False),
     "qwen3_moe": (False, True),
+    "smollm3": (False, False),  # llama with rotary skipped on some layers (no_rope_layers)
+    "olmo2": (False, False),  # post-norm blocks, q/k norm over the whole projection
+    "olmo3": (False, False),  # olmo2 with sliding-window layers
 }
+# families whose o_proj bias follows attention_bias (the others have none)
+O_BIAS = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3")
+POST_NORM = ("olmo2", "olmo3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -42,10 +49,17 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # OLMo 2/3: q/k RMSNorm over the whole projection (heads x head_dim), before the split
+    qk_norm_full: bool = False
+    # OLMo 2/3: each block norms the attention and MLP outputs (post_attention_layernorm,
+    # post_feedforward_layernorm) before the residual add; no input norm
+    post_norm: bool = False
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     # per layer: None (full attention) or a window length in tokens
     sliding_windows: list = field(default_factory=list)
+    # per layer: whether the layer rotates q and k (SmolLM3's no_rope_layers: 0 = NoPE)
+    rope_layers: list = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     moe: object = None  # MoEConfig (model/moe.py) for the mixture-of-experts families
@@ -57,6 +71,8 @@ class ModelConfig:
                              f"num_key_value_heads {self.num_kv_heads}")
         if not self.sliding_windows:
             self.sliding_windows = [None] * self.num_layers
+        if not self.rope_layers:
+            self.rope_layers = [True] * self.num_layers
 
     @property
     def num_params(self) -> int:
@@ -65,6 +81,7 @@ class ModelConfig:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += (2 * d if self.qk_norm else 0) + (h if self.o_bias else 0)
+        attn += (q + kv if self.qk_norm_full else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         ffn = self.num_layers * mlp
         if self.moe is not None:  # sparse layers hold experts, a router (and a shared expert)
@@ -92,7 +109,8 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise OrbitError(f"{source}: unsupported hidden_act {act!r} (only silu)")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope = _one_rope(dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}),
+                         source)
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
@@ -113,10 +131,10 @@ class ModelConfig:
             rope_type=rope_type, rope_params=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
-            o_bias=bool(hf.get("attention_bias", False)) if mt in ("llama", "qwen3", "qwen3_moe")
-            else False,
-            mlp_bias=bool(hf.get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=qk_norm, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            o_bias=bool(hf.get("attention_bias", False)) if mt in O_BIAS else False,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if mt in ("llama", "smollm3") else False,
+            qk_norm=qk_norm, qk_norm_full=mt in POST_NORM, post_norm=mt in POST_NORM,
+            rope_layers=_rope_layers(hf, mt, n_layers, source), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             hidden_act=act, sliding_windows=windows, bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"), moe=moe, hf=hf, **kw)
 
@@ -134,10 +152,35 @@ class ModelConfig:
         return cls.from_hf(hf, str(f))
 
 
+def _one_rope(rope: dict, source: str) -> dict:
+    """The rotary parameters; OLMo 3 (and Gemma 3) key them by layer type, accepted here when
+    every type has the same ones."""
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        kinds = list(rope.values())
+        if any(k != kinds[0] for k in kinds[1:]):
+            raise OrbitError(f"{source}: rotary parameters that differ by layer type "
+                             f"({', '.join(rope)}) are not supported yet")
+        return dict(kinds[0])
+    return rope
+
+
+def _rope_layers(hf: dict, mt: str, n_layers: int, source: str) -> list:
+    """Per layer, whether it applies rotary embeddings (SmolLM3's ``no_rope_layers``)."""
+    flags = hf.get("no_rope_layers") if mt == "smollm3" else None
+    if flags is None:
+        return [True] * n_layers
+    if len(flags) != n_layers:
+        raise OrbitError(f"{source}: no_rope_layers has {len(flags)} entries for "
+                         f"{n_layers} layers")
+    return [bool(f) for f in flags]
+
+
 def _sliding_windows(hf: dict, mt: str, n_layers: int) -> list:
     """Per-layer sliding window, following each family's rule in transformers."""
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
+    if mt == "smollm3" and not hf.get("use_sliding_window"):
+        return [None] * n_layers  # its layer_types apply only with use_sliding_window
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     if mt in ("mistral", "mixtral"):

@@ -69,23 +69,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.rotary = cfg.rope_layers[layer_idx]  # False: a NoPE layer (SmolLM3)
+        self.full_norm = cfg.qk_norm_full  # OLMo 2/3: norms over the whole projection
+        if cfg.qk_norm or cfg.qk_norm_full:
+            w = (self.nh * self.hd, self.nkv * self.hd) if cfg.qk_norm_full else (self.hd,) * 2
+            self.q_norm = RMSNorm(w[0], cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(w[1], cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, masks, attn: Optional[AttentionBackend]):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.full_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        qk = None if torch.is_grad_enabled() else _side_by_side(q, k)
+        q, k = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None and not self.full_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        qk = None if torch.is_grad_enabled() or not self.rotary else _side_by_side(q, k)
         if qk is not None:  # one rotation of both (it acts on each head alone)
             q, k = apply_rotary(qk, cos, sin).split((self.nh, self.nkv), 2)
-        else:
+        elif self.rotary:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if attn is not None:
             out = attn(self.layer_idx, q, k, v)
@@ -126,12 +131,21 @@ class DecoderLayer(nn.Module):
         # "mlp" (Mixtral: "block_sparse_moe"): a dense MLP or a sparse mixture (moe.py)
         self.ffn_name, ffn = make_ffn(cfg, layer_idx, lambda: MLP(cfg))
         setattr(self, self.ffn_name, ffn)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.post_norm
+        if cfg.post_norm:  # OLMo 2/3: x + norm(attn(x)), then x + norm(mlp(x))
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, masks, attn=None, routing: Routing | None = None):
+        ffn = getattr(self, self.ffn_name)
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, masks, attn))
+            h = ffn(x) if isinstance(ffn, MLP) else ffn(x, routing)
+            return x + self.post_feedforward_layernorm(h)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, attn)
-        ffn, h = getattr(self, self.ffn_name), self.post_attention_layernorm(x)
+        h = self.post_attention_layernorm(x)
         return x + (ffn(h) if isinstance(ffn, MLP) else ffn(h, routing))
 
 

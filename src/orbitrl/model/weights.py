@@ -32,7 +32,8 @@ _HF_NAMES = [
     r"model\.embed_tokens\.weight",
     r"model\.norm\.weight",
     r"lm_head\.weight",
-    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
+    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|post_feedforward_layernorm)"
+    r"\.weight",
     r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)",
     r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight",
     r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias)",
@@ -275,7 +276,8 @@ def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=N
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
 
 
 def _write_atomic(path: Path, write: Callable[[str], None]):
