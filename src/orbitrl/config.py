@@ -190,6 +190,8 @@ class DataSection:
     prompt_field: str = "prompt"
     answer_field: str = "answer"
     chat_template: bool = False  # each prompt as a user turn under the model's chat template
+    system_prompt: str = ""  # with chat_template: a system turn before every prompt (empty: none, the template's own default applies)
+    enable_thinking: Literal["auto", "on", "off"] = "auto"  # with chat_template: the template's enable_thinking variable (Qwen3's thinking switch; other templates ignore it); auto: the template's default
     heldout_size: int = 200
 
 
@@ -242,6 +244,7 @@ class RewardSection:
     extra: list = field(default_factory=list)  # more reward sources, summed
     weights: list = field(default_factory=list)  # one weight per source (default all 1)
     timeout_s: float = 5.0  # per call; a reward past it scores 0 and is counted
+    strip_thinking: bool = True  # every reward but the format ones scores the reply after the last </think> (a reply that opens <think> and never closes it has none: empty); false: the whole completion
     sandbox: SandboxSection = field(default_factory=SandboxSection)  # code rewards only
 
     def __post_init__(self):
@@ -375,6 +378,8 @@ def _check(value: Any, tp: Any, key: str, source: str) -> Any:
     where = f" in {source}" if source else ""
     origin = typing.get_origin(tp)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(typing.get_args(tp)):
+            value = "on" if value else "off"  # YAML reads on / off as booleans
         if value not in typing.get_args(tp):
             choices = ", ".join(map(str, typing.get_args(tp)))
             raise OrbitError(f"config key '{key}'{where}: {value!r} is not one of {choices}")

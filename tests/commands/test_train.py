@@ -203,7 +203,8 @@ def test_eval_of_a_run_encodes_prompts_as_the_run_did(run_dir, tmp_path, monkeyp
     seen = []
     real = tokenizer.encode_prompt
     monkeypatch.setattr(tokenizer, "encode_prompt",
-                        lambda tok, text, chat=False: seen.append(chat) or real(tok, text, chat))
+                        lambda tok, text, chat_template=False, **kw:
+                        seen.append(chat_template) or real(tok, text, chat_template, **kw))
     assert main(["eval", "--run", str(run_dir), "--limit", "4"]) == 0
     assert seen == [False] * 4
     run = tmp_path / "run"

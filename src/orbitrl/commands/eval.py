@@ -107,7 +107,8 @@ def _run_of(args) -> int:
                          "checkpoints/final)")
     cfg = load_config(run / "config.yaml")
     held = load_data(cfg)[1]
-    runner = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
+    runner = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s,
+                          strip_thinking=cfg.reward.strip_thinking)
     if cfg.train.mode == "adapter":  # the frozen base in the format the run trained over
         from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
         from orbitrl.rl.policy import build_policy  # start-up: kept off --help
@@ -194,12 +195,12 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None
     row a multi-turn trajectory; ``packed_mb``: ``--packed-mb`` (None: the engine's
     default)."""
     from orbitrl.engine import Engine  # start-up: kept off --help
-    from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
+    from orbitrl.model.tokenizer import prompt_encoder  # start-up: kept off --help
     from orbitrl.rl.evaluate import Evaluator  # start-up: kept off --help
 
     engine = Engine(model, tok, **({} if packed_mb is None else
                                    {"packed_bytes": packed_mb << 20}))
-    encode = lambda t: encode_prompt(tok, t, data.chat_template)  # noqa: E731
+    encode = prompt_encoder(tok, data)
     turns = None
     if env_cfg is not None:
         from orbitrl.rl.trajectory import trajectories_fn  # start-up: kept off --help

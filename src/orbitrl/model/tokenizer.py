@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from orbitrl.errors import OrbitError
 
@@ -50,9 +52,22 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     return tok
 
 
-def encode_prompt(tok, text: str, chat_template: bool = False) -> list[int]:
+def prompt_encoder(tok, data) -> Callable[[str], list[int]]:
+    """``text -> ids`` as a run's ``data`` section says: ``chat_template``, ``system_prompt``
+    and ``enable_thinking`` (auto: the template's default; on / off: passed to the template
+    as ``enable_thinking``, which Qwen3's reads and other templates ignore)."""
+    system = getattr(data, "system_prompt", "")
+    thinking = {"on": True, "off": False}.get(getattr(data, "enable_thinking", "auto"))
+    return partial(encode_prompt, tok, chat_template=data.chat_template, system=system,
+                   thinking=thinking)
+
+
+def encode_prompt(tok, text: str, chat_template: bool = False, system: str = "",
+                  thinking: bool | None = None) -> list[int]:
     """Token ids of one prompt: the raw text, or (``chat_template``) one user turn under the
-    tokenizer's chat template followed by the assistant's generation prompt.
+    tokenizer's chat template followed by the assistant's generation prompt; ``system``
+    (if any) as a system turn before it, ``thinking`` (if not None) as the template's
+    ``enable_thinking`` variable.
 
     Every path that turns a prompt into ids (training, ``orbitrl eval``, ``orbitrl
     generate``) goes through here, so a model sees its prompts the same way in all of them.
@@ -65,8 +80,10 @@ def encode_prompt(tok, text: str, chat_template: bool = False) -> list[int]:
     if not getattr(tok, "chat_template", None):
         raise OrbitError(f"{where}: the tokenizer has no chat template (data.chat_template "
                          "needs chat_template.jinja or tokenizer_config.json's chat_template)")
-    out = tok.apply_chat_template([{"role": "user", "content": text}],
-                                  add_generation_prompt=True, tokenize=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": text}]
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # BatchEncoding or dict (transformers 5)
         out = out["input_ids"]
     if hasattr(out, "tolist"):  # a tensor or array, if a tokenizer defaults to tensors

@@ -90,6 +90,28 @@ def _check_value(value: Any) -> tuple[float | None, str, str]:
     return score, "", ""
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def reply_after_thinking(completion: str) -> str:
+    """The reply a reasoning model gives after its thoughts: the text after the last
+    ``</think>``; a completion that opens ``<think>`` and never closes it has no reply (an
+    empty string: a thought cut off by the length cap answers nothing); any other
+    completion as it is."""
+    cut = completion.rfind(THINK_CLOSE)
+    if cut >= 0:
+        return completion[cut + len(THINK_CLOSE):]
+    if completion.lstrip().startswith(THINK_OPEN):
+        return ""
+    return completion
+
+
+def reads_thinking(fn) -> bool:
+    """Whether a reward judges the whole completion, thoughts included (the format rewards,
+    whose patterns may require a ``<think>`` block), rather than the reply."""
+    return bool(getattr(fn, "reads_thinking", False))
+
+
 class RewardRunner:
     """Calls reward sources on batches of samples, isolating failures and hangs.
 
@@ -97,10 +119,14 @@ class RewardRunner:
         sources: RewardSource list (a bare name, path or callable is one source of weight 1).
         timeout_s: per-call limit in seconds; None runs calls inline with no limit.
         max_workers: concurrent calls at most.
+        strip_thinking: every source except those that read the thinking (``reads_thinking``)
+            scores :func:`reply_after_thinking` of each completion (``reward.strip_thinking``).
     """
 
     def __init__(self, sources: list[RewardSource | str | Callable[..., float]],
-                 timeout_s: float | None = 10.0, max_workers: int = 4):
+                 timeout_s: float | None = 10.0, max_workers: int = 4,
+                 strip_thinking: bool = True):
+        self.strip_thinking = strip_thinking
         self.sources = [s if isinstance(s, RewardSource) else RewardSource(s) for s in sources]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -127,9 +153,12 @@ class RewardRunner:
         if len(completions) != n or (fields is not None and len(fields) != n):
             raise ValueError("prompts, completions and fields must have the same length")
         fields = fields if fields is not None else [{} for _ in range(n)]
+        whole = completions
+        replies = [reply_after_thinking(c) for c in completions] if self.strip_thinking \
+            else completions
         batch = [k for k, fn in enumerate(self._fns) if hasattr(fn, "score_batch")]
         calls = [(i, k) for k in range(len(self.sources)) if k not in batch for i in range(n)]
-        outcomes = self._run(calls, prompts, completions, fields)
+        outcomes = self._run(calls, prompts, whole, replies, fields)
 
         per_source = {s.name: [0.0] * n for s in self.sources}
         errors: list[RewardError] = []
@@ -144,7 +173,8 @@ class RewardRunner:
         extra: dict[str, float] = {}
         details: dict[str, list[Any]] = {}
         for k in batch:
-            self._run_batch(k, prompts, completions, fields, per_source, errors, extra, details)
+            self._run_batch(k, prompts, whole if reads_thinking(self._fns[k]) else replies,
+                            fields, per_source, errors, extra, details)
 
         rewards = [sum(s.weight * per_source[s.name][i] for s in self.sources) for i in range(n)]
         metrics: dict[str, float] = {"reward_mean": sum(rewards) / n if n else 0.0}
@@ -189,10 +219,12 @@ class RewardRunner:
         except Exception as e:  # noqa: BLE001 - any failure of user code is a scored error
             return "exception", f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
 
-    def _run(self, calls, prompts, completions, fields) -> list[tuple[str, Any]]:
+    def _run(self, calls, prompts, whole, replies, fields) -> list[tuple[str, Any]]:
+        # each call's text: the whole completion for a reward that reads the thinking
+        texts = [whole[i] if reads_thinking(self._fns[k]) else replies[i] for i, k in calls]
         if self.timeout_s is None:
-            return [self._call(k, prompts[i], completions[i], fields[i]) for i, k in calls]
-        job = _Job(calls, prompts, completions, fields)
+            return [self._call(k, prompts[i], t, fields[i]) for (i, k), t in zip(calls, texts)]
+        job = _Job(calls, prompts, texts, fields)
         results: list[tuple[str, Any] | None] = [None] * len(calls)
         for j in range(len(calls)):
             self._pool.tasks.put((job, j))
@@ -224,14 +256,14 @@ class RewardRunner:
         job, j = task
         i, k = job.calls[j]
         job.started[j] = (time.monotonic(), w)
-        job.done.put((j, self._call(k, job.prompts[i], job.completions[i], job.fields[i])))
+        job.done.put((j, self._call(k, job.prompts[i], job.texts[j], job.fields[i])))
 
 
 class _Job:
     """One batch's calls; workers record when each starts and hand back outcomes."""
 
-    def __init__(self, calls, prompts, completions, fields):
-        self.calls, self.prompts, self.completions, self.fields = \
-            calls, prompts, completions, fields
+    def __init__(self, calls, prompts, texts, fields):
+        # texts: each call's completion text (call j scores texts[j])
+        self.calls, self.prompts, self.texts, self.fields = calls, prompts, texts, fields
         self.started: dict[int, tuple[float, Worker]] = {}
         self.done: queue.SimpleQueue = queue.SimpleQueue()

@@ -110,6 +110,7 @@ def make_format_reward(pattern: str = "boxed_or_answer_tag"):
     def format_reward(prompt: str, completion: str, **fields: Any) -> float:
         text = cut_at_eos(completion, fields.get("eos_text"))
         return 1.0 if regex.search(text) else 0.0
+    format_reward.reads_thinking = True  # its pattern may require the <think> block
     return format_reward
 
 
@@ -124,3 +125,6 @@ def format_check(prompt: str, completion: str, **fields: Any) -> float:
     pattern = fields.get("format_pattern")
     fn = _default_format if pattern is None else make_format_reward(pattern)
     return fn(prompt, completion, **fields)
+
+
+format_check.reads_thinking = True  # judges the whole completion, thoughts included

@@ -20,6 +20,7 @@ from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.errors import OrbitError
 from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
+from orbitrl.rewards.runner import reply_after_thinking
 
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
     """Dataset fields handed to a reward: all but the prompt, with the answer under
@@ -181,8 +182,11 @@ class Evaluator:
             if isinstance(s, _Dropped):
                 failed.setdefault(i, "trajectory dropped (environment error or time limit)")
         infos = [s.info for s in samples] if samples else [{}] * len(rows)
+        # the strict grader judges the reply, as the rewards do (reward.strip_thinking)
+        strip = getattr(self._runner(reward), "strip_thinking", True)
         correct = [bool(x == 1.0) if grader is None else
-                   bool(grader(r[d.prompt_field], t, r.get(d.answer_field)))
+                   bool(grader(r[d.prompt_field], reply_after_thinking(t) if strip else t,
+                               r.get(d.answer_field)))
                    for r, t, x in zip(rows, texts, res.rewards)]
         records = [{"prompt": r[d.prompt_field], "completion": t, "answer":
                     r.get(d.answer_field), "score": x, "correct": ok,

@@ -21,7 +21,7 @@ from orbitrl.distributed.channel import FINISH, ORDER, STOP, WEIGHTS, Channel
 from orbitrl.distributed.roles import LEADER
 from orbitrl.distributed.weight_sync import WeightSync, synced
 from orbitrl.engine import Request, SamplingParams
-from orbitrl.model.tokenizer import encode_prompt
+from orbitrl.model.tokenizer import prompt_encoder
 from orbitrl.rl.policy import build_policy, pick_device
 from orbitrl.rl.rollout import build_engine
 from orbitrl.rl.trainer import seed_everything
@@ -215,8 +215,7 @@ def run_rollout_rank(cfg, roles, train_rows: list[dict]):
     policy = build_policy(cfg, device, reference=False)  # (it never scores)
     tok = policy.tokenizer
 
-    def encode(text: str) -> list[int]:
-        return encode_prompt(tok, text, cfg.data.chat_template)
+    encode = prompt_encoder(tok, cfg.data)
     prompt_len = max(len(encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
     engine, _ = build_engine(cfg, policy.model, tok, None, device, prompt_len, 1)
     RolloutWorker(cfg, roles, policy, engine, encode).run()

@@ -22,7 +22,7 @@ from orbitrl.distributed.collective import Collective
 from orbitrl.distributed.env import Dist
 from orbitrl.engine.governor import KVGovernor, hand_back
 from orbitrl.ledger.runtime import micro_batch_tokens, resolve_recompute
-from orbitrl.model.tokenizer import encode_prompt
+from orbitrl.model.tokenizer import prompt_encoder
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import PhaseTimer
 from orbitrl.observe.step import StepFlops, StepRow
@@ -69,8 +69,8 @@ class RLTrainer:
         self.device = pick_device(cfg.model.device)
         check_modes(cfg, self.coll)
         tok = policy_tokenizer(cfg)  # the prompts' length prices the run
-        prompt_len = max(len(encode_prompt(tok, x[cfg.data.prompt_field],
-                                           cfg.data.chat_template)) for x in train_rows[:256])
+        self.encode = prompt_encoder(tok, cfg.data)  # every prompt, as data.* says
+        prompt_len = max(len(self.encode(x[cfg.data.prompt_field])) for x in train_rows[:256])
         resolve_base(cfg, self.device, prompt_len, self.coll.enabled or roles is not None)
         # baseline: before the model is loaded (torchao holds a quantized base, and full
         # mode's int8 reference)
@@ -109,7 +109,8 @@ class RLTrainer:
                                                is_fused(self.opt), critic is not None,
                                                model.config.moe is not None),
                                max(1, cfg.train.threads))
-        rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s)
+        rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s,
+                               strip_thinking=cfg.reward.strip_thinking)
         a = cfg.algo
         anchors = Anchors(model, self.policy.reference, a.anchor_refresh_steps,
                           a.anchor_kl_threshold)
@@ -169,9 +170,6 @@ class RLTrainer:
     train_rows = property(lambda self: self.data.rows)
     # multi-turn: the last step's trajectories (run.py logs them)
     last_trajectories = property(lambda self: self.report.trajectories)
-
-    def encode(self, text: str) -> list[int]:  # as data.chat_template says
-        return encode_prompt(self.tok, text, self.cfg.data.chat_template)
 
     def skip_counts(self) -> dict:
         return self.updater.skip_counts()

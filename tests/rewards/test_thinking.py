@@ -1,0 +1,85 @@
+"""Reasoning models: rewards score the reply after the thoughts (``reward.strip_thinking``),
+the format rewards see the whole completion, and the chat template gets a system turn and
+the ``enable_thinking`` switch (``data.system_prompt``, ``data.enable_thinking``)."""
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from orbitrl.config import load_config
+from orbitrl.model import load_tokenizer
+from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.tokenizer import prompt_encoder
+from orbitrl.rewards import RewardRunner, RewardSource
+from orbitrl.rewards.runner import reply_after_thinking
+
+
+@pytest.mark.parametrize("text,reply", [
+    ("<think>23+45 is 68</think>68", "68"),
+    ("<think>a</think>b<think>c</think> 68", " 68"),  # the last close ends the thoughts
+    ("<think>68, surely 68", ""),  # cut off while thinking: no reply
+    ("  <think>68", ""),
+    ("68", "68"),  # no thoughts: the completion
+    ("the tag </think> appears 68", " appears 68"),
+])
+def test_reply_after_thinking(text, reply):
+    assert reply_after_thinking(text) == reply
+
+
+def _score(completions, answer="68", strip=True, sources=("exact_match",)):
+    runner = RewardRunner([RewardSource(s, kwargs=k) for s, k in sources] if
+                          isinstance(sources[0], tuple) else list(sources),
+                          timeout_s=None, strip_thinking=strip)
+    res = runner(["23+45="] * len(completions), completions,
+                 [{"answer": answer}] * len(completions))
+    return res
+
+
+def test_rewards_judge_the_reply_not_the_thoughts():
+    got = _score(["<think>maybe 67</think>68", "<think>it is 68</think>67",
+                  "<think>68", "<think>68</think>", "68"]).rewards
+    # the right answer only inside the thoughts, or a thought never closed, scores 0
+    assert got == [1.0, 0.0, 0.0, 0.0, 1.0]
+    for name in ("arithmetic", "math"):
+        r = _score(["<think>68</think>The answer is 67.", "<think>no</think>68"],
+                   sources=(name,)).rewards
+        assert r == [0.0, 1.0], name
+
+
+def test_format_rewards_read_the_whole_completion():
+    src = (("format", {"format_pattern": "think_answer"}),)
+    ok = "<think>add</think><answer>68</answer>"
+    assert _score([ok, "<answer>68</answer>"], sources=src).rewards == [1.0, 0.0]
+
+
+def test_strip_thinking_off_scores_the_whole_completion():
+    assert _score(["<think>x</think>68"], strip=False).rewards == [0.0]
+    assert load_config(None, []).reward.strip_thinking is True
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+            "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("think") / "model"
+    shutil.copytree(resolve_model_path("builtin:tiny-arith"), d)
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    return load_tokenizer(d)
+
+
+@pytest.mark.parametrize("system,thinking,want", [
+    ("", "auto", "<user>12+34=<assistant>"),
+    ("Be brief.", "auto", "<system>Be brief.<user>12+34=<assistant>"),
+    ("", "off", "<user>12+34=<assistant><think></think>"),
+    ("", "on", "<user>12+34=<assistant>"),
+])
+def test_system_prompt_and_thinking_switch(tok, system, thinking, want):
+    cfg = load_config(None, ["data.chat_template=true", f"data.enable_thinking={thinking}"]
+                      + ([f"data.system_prompt={system}"] if system else []))
+    assert tok.decode(prompt_encoder(tok, cfg.data)("12+34=")) == want
+    raw = SimpleNamespace(chat_template=False)  # no template: the text alone
+    assert tok.decode(prompt_encoder(tok, raw)("12+34=")) == "12+34="
