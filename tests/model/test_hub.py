@@ -52,6 +52,7 @@ def test_missing_hub_id_is_one_line_naming_it(hub_cache):
         resolve_model_path("orbit-test/absent")
     msg = str(e.value)
     assert "'orbit-test/absent'" in msg and "HF_HUB_OFFLINE" in msg and "\n" not in msg
+    assert msg.startswith("orbit-test/absent: no such model directory")
     with pytest.raises(OrbitError, match="'orbit-test/tiny@v9'"):
         resolve_model_path("orbit-test/tiny@v9")
 

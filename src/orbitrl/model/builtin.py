@@ -25,7 +25,10 @@ def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
         return p
     p = Path(s).expanduser()
     if not p.exists() and not s.startswith((".", "/", "~")) and parse_hub_id(s):
-        return resolve_hub_id(s, revision)
+        try:
+            return resolve_hub_id(s, revision)
+        except OrbitError as e:  # name both readings: a missing directory, a Hub id
+            raise OrbitError(f"{p}: no such model directory; as a Hub id, {e}") from None
     if not p.exists():
         raise OrbitError(f"{p}: model directory not found")
     if not p.is_dir():
