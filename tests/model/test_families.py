@@ -52,3 +52,20 @@ def test_a_grpo_step_runs(family_dirs, family, mode, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["skipped_nonfinite"] == 0 for r in rows)
+
+
+def test_config_defaults_follow_transformers():
+    """Keys a config may leave out take transformers' defaults: SmolLM3 makes every 4th layer
+    NoPE and ties its head; an OLMo 3 flat rope scaling (full-attention layers only) is
+    refused rather than applied to every layer."""
+    from orbitrl.errors import OrbitError
+    from orbitrl.model.config import ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                num_attention_heads=4, num_key_value_heads=2)
+    c = ModelConfig.from_hf(dict(base, model_type="smollm3"))
+    assert c.rope_layers == [True, True, True, False] * 2 and c.tie_word_embeddings
+    assert ModelConfig.from_hf(dict(base, model_type="olmo3")).post_norm
+    with pytest.raises(OrbitError, match="OLMo 3 rope scaling"):
+        ModelConfig.from_hf(dict(base, model_type="olmo3",
+                                 rope_scaling={"rope_type": "yarn", "factor": 8.0}))

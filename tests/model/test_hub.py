@@ -74,3 +74,25 @@ def test_train_and_cli_take_a_hub_id(hub_cache, tmp_path, capsys):
     assert main(["train", "--set", "model.path=orbit-test/absent", "--out",
                  str(tmp_path / "bad")]) != 0
     assert "'orbit-test/absent'" in capsys.readouterr().err
+
+
+def test_a_snapshot_fetched_with_model_patterns_reads_as_cached(hub_cache):
+    """huggingface_hub records a repository's whole file list beside a snapshot; one
+    fetched with only the model's files (no README.md) still resolves offline."""
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+    snap = hub_cache / "snapshots" / COMMIT
+    files = {f.name: TreeCacheEntry(size=f.stat().st_size, blob_id=f"{i:040x}")
+             for i, f in enumerate(sorted(snap.iterdir()))}
+    files["README.md"] = TreeCacheEntry(size=10, blob_id="f" * 40)  # never fetched
+    write_tree_cache(str(hub_cache), COMMIT, files)
+    assert resolve_model_path("orbit-test/tiny") == snap
+
+
+def test_a_relative_path_under_an_existing_folder_is_never_a_hub_id(hub_cache, tmp_path,
+                                                                      monkeypatch):
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # a Hub lookup would try the network
+    with pytest.raises(OrbitError, match="runs/out: model directory not found"):
+        resolve_model_path("runs/out")

@@ -83,3 +83,17 @@ def test_system_prompt_and_thinking_switch(tok, system, thinking, want):
     assert tok.decode(prompt_encoder(tok, cfg.data)("12+34=")) == want
     raw = SimpleNamespace(chat_template=False)  # no template: the text alone
     assert tok.decode(prompt_encoder(tok, raw)("12+34=")) == "12+34="
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["data.system_prompt=Be brief."], "data.system_prompt"),  # raw prompts: no turns
+    (["data.chat_template=true", "data.enable_thinking=off", "env.name=tools"],
+     "data.enable_thinking"),  # multi-turn environments render their own turns
+])
+def test_chat_options_refused_where_they_would_not_apply(sets, key):
+    from orbitrl.errors import OrbitError
+    from orbitrl.rl.sources import check_modes
+
+    cfg = load_config(None, sets)
+    with pytest.raises(OrbitError, match=f"config key '{key}'"):
+        check_modes(cfg, SimpleNamespace(enabled=False))

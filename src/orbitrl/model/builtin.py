@@ -24,7 +24,10 @@ def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
             raise OrbitError(f"model.path {s!r}: no such built-in model (have: {known})")
         return p
     p = Path(s).expanduser()
-    if not p.exists() and not s.startswith((".", "/", "~")) and parse_hub_id(s):
+    # org/name is a Hub id unless it is spelled as a path or its first part exists here
+    # (runs/out, checkpoints/final: a missing local directory, never a download)
+    if not p.exists() and not s.startswith((".", "/", "~")) and parse_hub_id(s) \
+            and not Path(s.split("/", 1)[0]).exists():
         try:
             return resolve_hub_id(s, revision)
         except OrbitError as e:  # name both readings: a missing directory, a Hub id

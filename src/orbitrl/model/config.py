@@ -110,7 +110,7 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise OrbitError(f"{source}: unsupported hidden_act {act!r} (only silu)")
         rope = _one_rope(dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}),
-                         source)
+                         source, mt)
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
@@ -134,7 +134,8 @@ class ModelConfig:
             o_bias=bool(hf.get("attention_bias", False)) if mt in O_BIAS else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if mt in ("llama", "smollm3") else False,
             qk_norm=qk_norm, qk_norm_full=mt in POST_NORM, post_norm=mt in POST_NORM,
-            rope_layers=_rope_layers(hf, mt, n_layers, source), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_layers=_rope_layers(hf, mt, n_layers, source),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", mt == "smollm3")),
             hidden_act=act, sliding_windows=windows, bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"), moe=moe, hf=hf, **kw)
 
@@ -152,9 +153,15 @@ class ModelConfig:
         return cls.from_hf(hf, str(f))
 
 
-def _one_rope(rope: dict, source: str) -> dict:
+def _one_rope(rope: dict, source: str, mt: str = "") -> dict:
     """The rotary parameters; OLMo 3 (and Gemma 3) key them by layer type, accepted here when
-    every type has the same ones."""
+    every type has the same ones. A flat scaling in an OLMo 3 config applies to its
+    full-attention layers only (transformers), which one rotary for every layer cannot
+    express: refused unless it is the default rotary."""
+    if mt == "olmo3" and rope and not all(isinstance(v, dict) for v in rope.values()) and \
+            rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise OrbitError(f"{source}: an OLMo 3 rope scaling on the full-attention layers only "
+                         f"({rope.get('rope_type', rope.get('type'))!r}) is not supported yet")
     if rope and all(isinstance(v, dict) for v in rope.values()):
         kinds = list(rope.values())
         if any(k != kinds[0] for k in kinds[1:]):
@@ -166,9 +173,12 @@ def _one_rope(rope: dict, source: str) -> dict:
 
 def _rope_layers(hf: dict, mt: str, n_layers: int, source: str) -> list:
     """Per layer, whether it applies rotary embeddings (SmolLM3's ``no_rope_layers``)."""
-    flags = hf.get("no_rope_layers") if mt == "smollm3" else None
-    if flags is None:
+    if mt != "smollm3":
         return [True] * n_layers
+    flags = hf.get("no_rope_layers")
+    if flags is None:  # transformers' default: every no_rope_layer_interval-th layer is NoPE
+        every = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(n_layers)]
     if len(flags) != n_layers:
         raise OrbitError(f"{source}: no_rope_layers has {len(flags)} entries for "
                          f"{n_layers} layers")

@@ -51,8 +51,13 @@ def resolve_hub_id(s: str, revision: str | None = None) -> Path:
 
     cache = cache_dir()
     try:
-        return Path(snapshot_download(repo, revision=rev, cache_dir=str(cache),
-                                      local_files_only=True))
+        # the same patterns as a download, so a snapshot this module fetched (which lacks
+        # the repository's README and the like) reads as complete
+        got = Path(snapshot_download(repo, revision=rev, cache_dir=str(cache),
+                                     local_files_only=True, allow_patterns=MODEL_FILES))
+        if (got / "config.json").is_file():
+            return got
+        cached_err = f"the cached snapshot {got} has no config.json"
     except Exception as e:  # huggingface_hub raises several types for a cache miss
         cached_err = _first_line(e)
     where = f"{repo}" + (f"@{rev}" if rev else "")

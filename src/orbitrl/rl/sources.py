@@ -55,6 +55,15 @@ def check_modes(cfg, coll):
     if cfg.train.tiers and coll.enabled:
         raise OrbitError("config key 'train.tiers': one process only (under torchrun the "
                          "weights are sharded and gathered layer by layer already)")
+    d = cfg.data
+    if cfg.env.name and (d.system_prompt or d.enable_thinking != "auto"):
+        key = "data.system_prompt" if d.system_prompt else "data.enable_thinking"
+        raise OrbitError(f"config key '{key}': not applied to multi-turn environments yet "
+                         f"(env.name {cfg.env.name!r} renders its own turns)")
+    if (d.system_prompt or d.enable_thinking != "auto") and not d.chat_template:
+        key = "data.system_prompt" if d.system_prompt else "data.enable_thinking"
+        raise OrbitError(f"config key '{key}': needs data.chat_template: true (raw prompts "
+                         "have no turns)")
 
 
 class RolloutSource(abc.ABC):
