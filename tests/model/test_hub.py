@@ -71,6 +71,13 @@ def test_train_and_cli_take_a_hub_id(hub_cache, tmp_path, capsys):
                  "--set", "data.heldout_size=2", "--set", "log.progress=false",
                  "--set", "checkpoint.every=0", "--out", str(out)]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
+    # the run pins the commit main pointed at: a resume reads it after main moves
+    import yaml
+
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["revision"] == COMMIT
+    (hub_cache / "refs" / "main").write_text(OTHER)
+    assert main(["train", "--resume", str(out), "--set", "train.max_steps=2"]) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["revision"] == COMMIT
     assert main(["train", "--set", "model.path=orbit-test/absent", "--out",
                  str(tmp_path / "bad")]) != 0
     assert "'orbit-test/absent'" in capsys.readouterr().err

@@ -4,6 +4,7 @@ the local cache (model/hub.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from orbitrl.errors import OrbitError
@@ -37,3 +38,15 @@ def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
     if not p.is_dir():
         raise OrbitError(f"{p}: not a directory (a model is a directory with config.json)")
     return p
+
+
+def pinned_revision(path: str, revision: str = "") -> str:
+    """The commit a Hub id in ``path`` resolves to now (its snapshot's name), so a run's
+    saved config and its resumes read the same weights whatever ``main`` becomes; the given
+    ``revision`` for anything else (a directory, ``builtin:NAME``). Errors as
+    :func:`resolve_model_path`."""
+    s = str(path)
+    if s.startswith("builtin:") or Path(s).expanduser().exists() or not parse_hub_id(s):
+        return revision
+    snap = resolve_model_path(s, revision or None)
+    return snap.name if re.fullmatch(r"[0-9a-f]{40}", snap.name) else revision

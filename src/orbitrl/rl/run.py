@@ -19,7 +19,7 @@ from orbitrl.distributed.collective import Collective
 from orbitrl.distributed.roles import assign_roles
 from orbitrl.errors import OrbitError
 from orbitrl.model.adapters import save_adapters
-from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.builtin import pinned_revision, resolve_model_path
 from orbitrl.model.lora import routed_adapters
 from orbitrl.model.weights import save_pretrained
 from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
@@ -73,6 +73,8 @@ def run_training(cfg: Config, run_dir: Path, echo=print, resume: bool = False,
     coll = Collective(dist)
     echo = echo if coll.is_main else _quiet
     run_dir.mkdir(parents=True, exist_ok=True)
+    # a Hub id's commit, written into config.yaml: resumes and exports read the same weights
+    cfg.model.revision = pinned_revision(cfg.model.path, cfg.model.revision)
     if coll.is_main:
         save_config(cfg, run_dir / "config.yaml")
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, dist=coll.dist)
