@@ -12,7 +12,6 @@ arithmetic task's format. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import json
 import string
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import save_pretrained
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "orbitrl" / "builtin" / "tiny-arith"
@@ -42,15 +42,6 @@ def make_tokenizer():
                                    pad_token="<pad>", unk_token="<unk>")
     fast.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     return fast
-
-
-def _portable_class(d: Path) -> None:
-    """transformers 5 writes its generic class as TokenizersBackend, which 4.x lacks; both
-    load PreTrainedTokenizerFast over tokenizer.json as written."""
-    conf = d / "tokenizer_config.json"
-    c = json.loads(conf.read_text())
-    c["tokenizer_class"] = "PreTrainedTokenizerFast"
-    conf.write_text(json.dumps(c, indent=2) + "\n")
 
 
 def hf_config(vocab_size: int) -> dict:
@@ -92,8 +83,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.tokenizer_only:
         for d in (OUT, OUT.parent / "tiny-arith-moe"):
-            make_tokenizer().save_pretrained(str(d))
-            _portable_class(d)
+            save_tokenizer(make_tokenizer(), d)
             print(f"wrote the tokenizer of {d}")
     else:
         print(f"wrote {build(a.out, a.seed)}")

@@ -19,6 +19,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def needs_sandbox():
+    """Skips a test where the code reward's sandbox cannot run (no bwrap, no user namespaces):
+    use with ``pytestmark = pytest.mark.usefixtures("needs_sandbox")``."""
+    from orbitrl.config import SandboxSection
+    from orbitrl.errors import OrbitError
+    from orbitrl.rewards.sandbox import Sandbox
+
+    try:
+        Sandbox(SandboxSection())
+    except OrbitError as e:
+        pytest.skip(f"no sandbox here: {e}")
+
+
+@pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """family -> (directory, transformers model) saved with save_pretrained."""
     out = {}

@@ -8,9 +8,6 @@ import json
 import pytest
 
 from orbitrl.cli import main
-from orbitrl.config import SandboxSection
-from orbitrl.errors import OrbitError
-from orbitrl.rewards.sandbox import Sandbox
 
 # the built-in model's context is 64 tokens: the terse statements (data.prompt_field=short)
 TINY = ["--set", "data.task=code", "--set", "data.prompt_field=short",
@@ -21,12 +18,7 @@ TINY = ["--set", "data.task=code", "--set", "data.prompt_field=short",
         "--set", "checkpoint.every=0", "--set", "reward.sandbox.time_limit_s=2"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def needs_sandbox():
-    try:
-        Sandbox(SandboxSection())
-    except OrbitError as e:
-        pytest.skip(f"no sandbox here: {e}")
+pytestmark = pytest.mark.usefixtures("needs_sandbox")
 
 
 def test_train_on_code_task(tmp_path):

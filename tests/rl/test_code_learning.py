@@ -19,16 +19,14 @@ import shutil
 import pytest
 import torch
 
-from orbitrl.config import SandboxSection, load_config
+from orbitrl.config import load_config
 from orbitrl.data.code_tasks import PROBLEMS, SHORT
-from orbitrl.errors import OrbitError
 from orbitrl.model import load_tokenizer
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.weights import save_pretrained
 from orbitrl.observe.metrics import read_metrics
-from orbitrl.rewards.sandbox import Sandbox
 from orbitrl.rl.run import run_training
 from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft
 
@@ -52,12 +50,7 @@ def prompt(name: str) -> str:
     return f"{SHORT[name]}\n```python\n"  # the task's terse prompt (data.prompt_field=short)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def needs_sandbox():
-    try:
-        Sandbox(SandboxSection())
-    except OrbitError as e:
-        pytest.skip(f"no sandbox here: {e}")
+pytestmark = pytest.mark.usefixtures("needs_sandbox")
 
 
 @pytest.fixture(scope="module")

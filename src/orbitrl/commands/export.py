@@ -66,6 +66,7 @@ def _complete_peft_dir(out: Path, base: Path):
     ``AutoPeftModelForCausalLM.from_pretrained(out)`` loads the directory alone."""
     from orbitrl.model import load_tokenizer  # start-up: kept off --help
     from orbitrl.model.adapters import CONFIG_NAME  # start-up: kept off --help
+    from orbitrl.model.tokenizer import save_tokenizer  # start-up: kept off --help
 
     cfg_file = out / CONFIG_NAME
     try:
@@ -76,4 +77,4 @@ def _complete_peft_dir(out: Path, base: Path):
         cfg["base_model_name_or_path"] = str(base)
         cfg_file.write_text(json.dumps(cfg, indent=2))
     if not (out / "tokenizer_config.json").exists():
-        load_tokenizer(base).save_pretrained(str(out))
+        save_tokenizer(load_tokenizer(base), out)

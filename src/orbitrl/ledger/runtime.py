@@ -295,9 +295,7 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         # pinned host memory between forward and backward; the device keeps the layer being
         # recomputed (its full set, in activations:saved) and one input in flight
         work = spec.workload
-        tokens = work.micro * work.seq_len
-        inputs = work.act_bytes * tokens * shape.hidden * shape.num_layers
-        moved = inputs - work.act_bytes * tokens * shape.hidden
+        moved = work.act_bytes * work.micro * work.seq_len * shape.hidden * (shape.num_layers - 1)
         terms["train"]["activations:saved"] -= moved
         host["activations:offloaded"] = moved * spec.workers
     # side-by-side workers (rl/parallel.py) hold one micro-batch's activations each

@@ -13,6 +13,14 @@ from orbitrl.model.hub import parse_hub_id, resolve_hub_id
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "builtin"
 
 
+def is_hub_id(s: str) -> bool:
+    """Whether a model path reads as a Hub id: ``org/name[@rev]`` that is not a directory
+    here, not spelled as a path (``./``, ``/``, ``~``) and whose first part is no local
+    folder (``runs/out``, ``checkpoints/final``: a missing directory, never a download)."""
+    return not s.startswith(("builtin:", ".", "/", "~")) and parse_hub_id(s) is not None \
+        and not Path(s).exists() and not Path(s.split("/", 1)[0]).exists()
+
+
 def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
     """Model directory for a path, a ``builtin:NAME`` reference or a Hub id (``revision``
     applies to an id that names none); checks it exists. An existing directory wins over a
@@ -25,10 +33,7 @@ def resolve_model_path(path: str | Path, revision: str | None = None) -> Path:
             raise OrbitError(f"model.path {s!r}: no such built-in model (have: {known})")
         return p
     p = Path(s).expanduser()
-    # org/name is a Hub id unless it is spelled as a path or its first part exists here
-    # (runs/out, checkpoints/final: a missing local directory, never a download)
-    if not p.exists() and not s.startswith((".", "/", "~")) and parse_hub_id(s) \
-            and not Path(s.split("/", 1)[0]).exists():
+    if is_hub_id(s):
         try:
             return resolve_hub_id(s, revision)
         except OrbitError as e:  # name both readings: a missing directory, a Hub id
@@ -46,7 +51,7 @@ def pinned_revision(path: str, revision: str = "") -> str:
     ``revision`` for anything else (a directory, ``builtin:NAME``). Errors as
     :func:`resolve_model_path`."""
     s = str(path)
-    if s.startswith("builtin:") or Path(s).expanduser().exists() or not parse_hub_id(s):
+    if not is_hub_id(s):
         return revision
     snap = resolve_model_path(s, revision or None)
     return snap.name if re.fullmatch(r"[0-9a-f]{40}", snap.name) else revision

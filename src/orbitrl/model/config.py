@@ -158,16 +158,16 @@ def _one_rope(rope: dict, source: str, mt: str = "") -> dict:
     every type has the same ones. A flat scaling in an OLMo 3 config applies to its
     full-attention layers only (transformers), which one rotary for every layer cannot
     express: refused unless it is the default rotary."""
-    if mt == "olmo3" and rope and not all(isinstance(v, dict) for v in rope.values()) and \
-            rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise OrbitError(f"{source}: an OLMo 3 rope scaling on the full-attention layers only "
-                         f"({rope.get('rope_type', rope.get('type'))!r}) is not supported yet")
-    if rope and all(isinstance(v, dict) for v in rope.values()):
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # keyed by layer type
         kinds = list(rope.values())
         if any(k != kinds[0] for k in kinds[1:]):
             raise OrbitError(f"{source}: rotary parameters that differ by layer type "
                              f"({', '.join(rope)}) are not supported yet")
         return dict(kinds[0])
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if mt == "olmo3" and kind != "default":
+        raise OrbitError(f"{source}: an OLMo 3 rope scaling on the full-attention layers only "
+                         f"({kind!r}) is not supported yet")
     return rope
 
 

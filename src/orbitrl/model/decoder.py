@@ -139,14 +139,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, masks, attn=None, routing: Routing | None = None):
-        ffn = getattr(self, self.ffn_name)
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, masks, attn))
-            h = ffn(x) if isinstance(ffn, MLP) else ffn(x, routing)
-            return x + self.post_feedforward_layernorm(h)
+            return x + self.post_feedforward_layernorm(self._ffn(x, routing))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, attn)
-        h = self.post_attention_layernorm(x)
-        return x + (ffn(h) if isinstance(ffn, MLP) else ffn(h, routing))
+        return x + self._ffn(self.post_attention_layernorm(x), routing)
+
+    def _ffn(self, h, routing: Routing | None):
+        ffn = getattr(self, self.ffn_name)
+        return ffn(h) if isinstance(ffn, MLP) else ffn(h, routing)
 
 
 class Backbone(nn.Module):

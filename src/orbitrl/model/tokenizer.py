@@ -52,6 +52,19 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     return tok
 
 
+def save_tokenizer(tok, out: str | Path) -> None:
+    """``tok.save_pretrained(out)``, with a generic fast tokenizer recorded under the class
+    name transformers 4.x knows too (5.x writes ``TokenizersBackend``, which 4.x lacks; both
+    read ``PreTrainedTokenizerFast`` over tokenizer.json as written, see load_tokenizer)."""
+    tok.save_pretrained(str(out))
+    conf = Path(out) / "tokenizer_config.json"
+    if conf.is_file():
+        c = json.loads(conf.read_text())
+        if c.get("tokenizer_class") == "TokenizersBackend":
+            c["tokenizer_class"] = "PreTrainedTokenizerFast"
+            conf.write_text(json.dumps(c, indent=2) + "\n")
+
+
 def prompt_encoder(tok, data) -> Callable[[str], list[int]]:
     """``text -> ids`` as a run's ``data`` section says: ``chat_template``, ``system_prompt``
     and ``enable_thinking`` (auto: the template's default; on / off: passed to the template

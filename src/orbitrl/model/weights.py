@@ -25,6 +25,7 @@ from orbitrl.model import quant
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.moe import pack_experts
+from orbitrl.model.tokenizer import save_tokenizer
 
 # Hugging Face name -> ours. Our module tree mirrors HF's, so the map is the identity on
 # the names it accepts; it exists to reject what we do not understand, explicitly.
@@ -269,7 +270,7 @@ def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=N
         _write_atomic(out / "model.safetensors.index.json",
                       lambda p: Path(p).write_text(json.dumps(idx, indent=2)))
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+        save_tokenizer(tokenizer, out)
     return out
 
 

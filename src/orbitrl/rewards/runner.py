@@ -132,6 +132,7 @@ class RewardRunner:
         if len(set(names)) != len(names):
             raise ValueError(f"reward source names must be unique, got {names}")
         self._fns = [get_reward(s.fn) for s in self.sources]  # unknown names fail here
+        self._reads = [reads_thinking(fn) for fn in self._fns]  # whole completion, per source
         self.timeout_s = timeout_s
         self.max_workers = max(1, int(max_workers))
         self.leaked_threads = 0
@@ -153,12 +154,12 @@ class RewardRunner:
         if len(completions) != n or (fields is not None and len(fields) != n):
             raise ValueError("prompts, completions and fields must have the same length")
         fields = fields if fields is not None else [{} for _ in range(n)]
-        whole = completions
         replies = [reply_after_thinking(c) for c in completions] if self.strip_thinking \
             else completions
+        seen = [completions if reads else replies for reads in self._reads]  # per source
         batch = [k for k, fn in enumerate(self._fns) if hasattr(fn, "score_batch")]
         calls = [(i, k) for k in range(len(self.sources)) if k not in batch for i in range(n)]
-        outcomes = self._run(calls, prompts, whole, replies, fields)
+        outcomes = self._run(calls, prompts, [seen[k][i] for i, k in calls], fields)
 
         per_source = {s.name: [0.0] * n for s in self.sources}
         errors: list[RewardError] = []
@@ -173,8 +174,7 @@ class RewardRunner:
         extra: dict[str, float] = {}
         details: dict[str, list[Any]] = {}
         for k in batch:
-            self._run_batch(k, prompts, whole if reads_thinking(self._fns[k]) else replies,
-                            fields, per_source, errors, extra, details)
+            self._run_batch(k, prompts, seen[k], fields, per_source, errors, extra, details)
 
         rewards = [sum(s.weight * per_source[s.name][i] for s in self.sources) for i in range(n)]
         metrics: dict[str, float] = {"reward_mean": sum(rewards) / n if n else 0.0}
@@ -219,9 +219,8 @@ class RewardRunner:
         except Exception as e:  # noqa: BLE001 - any failure of user code is a scored error
             return "exception", f"{type(e).__name__}: {' '.join(str(e).split())}"[:200]
 
-    def _run(self, calls, prompts, whole, replies, fields) -> list[tuple[str, Any]]:
-        # each call's text: the whole completion for a reward that reads the thinking
-        texts = [whole[i] if reads_thinking(self._fns[k]) else replies[i] for i, k in calls]
+    def _run(self, calls, prompts, texts, fields) -> list[tuple[str, Any]]:
+        """Outcomes of ``calls`` ((sample, source) pairs), call j scoring ``texts[j]``."""
         if self.timeout_s is None:
             return [self._call(k, prompts[i], t, fields[i]) for (i, k), t in zip(calls, texts)]
         job = _Job(calls, prompts, texts, fields)

@@ -22,6 +22,7 @@ from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
 from orbitrl.rewards.runner import reply_after_thinking
 
+
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
     """Dataset fields handed to a reward: all but the prompt, with the answer under
     ``answer`` whatever its column is called."""
@@ -174,20 +175,19 @@ class Evaluator:
         else:
             prompts = self.encode_prompts([r[d.prompt_field] for r in rows])
             texts = [t[0] for t in self.complete(prompts, [greedy] * len(prompts))]
-        res = self._runner(reward)([r[d.prompt_field] for r in rows], texts,
-                                   [reward_fields(r, d.prompt_field, d.answer_field)
-                                    for r in rows])
+        runner = self._runner(reward)
+        res = runner([r[d.prompt_field] for r in rows], texts,
+                     [reward_fields(r, d.prompt_field, d.answer_field) for r in rows])
         failed = {e.index: e.reason for e in res.errors}
         for i, s in enumerate(samples or []):
             if isinstance(s, _Dropped):
                 failed.setdefault(i, "trajectory dropped (environment error or time limit)")
         infos = [s.info for s in samples] if samples else [{}] * len(rows)
         # the strict grader judges the reply, as the rewards do (reward.strip_thinking)
-        strip = getattr(self._runner(reward), "strip_thinking", True)
+        replies = [reply_after_thinking(t) for t in texts] if runner.strip_thinking else texts
         correct = [bool(x == 1.0) if grader is None else
-                   bool(grader(r[d.prompt_field], reply_after_thinking(t) if strip else t,
-                               r.get(d.answer_field)))
-                   for r, t, x in zip(rows, texts, res.rewards)]
+                   bool(grader(r[d.prompt_field], t, r.get(d.answer_field)))
+                   for r, t, x in zip(rows, replies, res.rewards)]
         records = [{"prompt": r[d.prompt_field], "completion": t, "answer":
                     r.get(d.answer_field), "score": x, "correct": ok,
                     **({"turns": info["turns"], "tool_calls": info.get("tool_calls", 0),

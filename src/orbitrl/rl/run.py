@@ -21,6 +21,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.model.adapters import save_adapters
 from orbitrl.model.builtin import pinned_revision, resolve_model_path
 from orbitrl.model.lora import routed_adapters
+from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import save_pretrained
 from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
 from orbitrl.observe.schedule import balance_line
@@ -422,7 +423,7 @@ def _save_policy(trainer, out: Path):
         base = resolve_model_path(trainer.cfg.model.path, trainer.cfg.model.revision).resolve()
         save_adapters(trainer.model, out, base_model_name_or_path=base,
                       trained_base=trainer.cfg.model.base_dtype)
-        trainer.tok.save_pretrained(str(out))
+        save_tokenizer(trainer.tok, out)
     else:
         save_pretrained(trainer.model, out, tokenizer=trainer.tok)
 

@@ -56,13 +56,13 @@ def check_modes(cfg, coll):
         raise OrbitError("config key 'train.tiers': one process only (under torchrun the "
                          "weights are sharded and gathered layer by layer already)")
     d = cfg.data
-    if cfg.env.name and (d.system_prompt or d.enable_thinking != "auto"):
-        key = "data.system_prompt" if d.system_prompt else "data.enable_thinking"
-        raise OrbitError(f"config key '{key}': not applied to multi-turn environments yet "
+    chat = "data.system_prompt" if d.system_prompt else \
+        "data.enable_thinking" if d.enable_thinking != "auto" else None
+    if chat and cfg.env.name:
+        raise OrbitError(f"config key '{chat}': not applied to multi-turn environments yet "
                          f"(env.name {cfg.env.name!r} renders its own turns)")
-    if (d.system_prompt or d.enable_thinking != "auto") and not d.chat_template:
-        key = "data.system_prompt" if d.system_prompt else "data.enable_thinking"
-        raise OrbitError(f"config key '{key}': needs data.chat_template: true (raw prompts "
+    if chat and not d.chat_template:
+        raise OrbitError(f"config key '{chat}': needs data.chat_template: true (raw prompts "
                          "have no turns)")
 
 
@@ -141,9 +141,10 @@ class OneStepOverlap(RolloutSource):
     """``rollout.overlap``: the producer thread's batch, made beside the previous step's
     training (started at the first step; the step begins when the previous one ended)."""
 
-    def __init__(self, data, refill, model, device, cfg):
+    def __init__(self, data, refill, model, device, max_steps: int, queue_size: int):
         super().__init__(data)
-        self.refill, self.model, self.device, self.cfg = refill, model, device, cfg
+        self.refill, self.model, self.device = refill, model, device
+        self.max_steps, self.queue_size = max_steps, queue_size
         self.overlap = None
         self.last_end: float | None = None
 
@@ -155,7 +156,7 @@ class OneStepOverlap(RolloutSource):
             from orbitrl.rl.overlap import Overlap, producer  # (its thread: overlap only)
 
             self.overlap = Overlap(producer(self.refill, self.device), self.model,
-                                   self.cfg.train.max_steps, self.cfg.rollout.queue_size,
+                                   self.max_steps, self.queue_size,
                                    clock.iteration, clock.step_idx, self.resume_snapshots)
         ro, waited = self.overlap.get(clock.iteration)
         self.data.trained(ro.data_after)
@@ -230,5 +231,6 @@ def rollout_source(cfg, roles, data, refill, model, device, judge, coll) -> Roll
     if roles is not None:
         return SeparatePools(data, cfg, roles, model, judge)
     if cfg.rollout.overlap:
-        return OneStepOverlap(data, refill, model, device, cfg)
+        return OneStepOverlap(data, refill, model, device, cfg.train.max_steps,
+                              cfg.rollout.queue_size)
     return Colocated(data, refill, coll.enabled)
