@@ -2,6 +2,8 @@
 ``hf_helpers``: every conftest.py is a module named "conftest", so helpers imported from one
 would be ambiguous across test directories)."""
 
+import copy
+
 import torch
 
 # special token ids inside the tiny vocabulary (these families' defaults lie beyond it)
@@ -25,6 +27,27 @@ FAMILY_CONFIGS = {
     "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, **SMALL_IDS),
     "olmo3": dict(model_type="olmo3", sliding_window=5,
                   layer_types=["sliding_attention", "full_attention"], **SMALL_IDS),
+    # Phi-3/4: fused qkv_proj and gate_up_proj, partial rotary (12 of 16 channels, as
+    # Phi-4-mini's 0.75), longrope: short factors and the attention factor (from
+    # max_position_embeddings / 48) within the 48 tokens the shared tests stay in; the long
+    # factors past them: tests/model/test_rope.py and the engine's rope test (switch at 16);
+    # a sliding window on every layer (Phi-3-mini-4k has one of 2047)
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.75, sliding_window=7,
+                 original_max_position_embeddings=48,
+                 rope_scaling={"rope_type": "longrope",
+                               "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                               "long_factor": [1.5 + 0.7 * i for i in range(6)]},
+                 **SMALL_IDS),
+    # Gemma 2: (1+w) norms, four per block, scaled embeddings, query_pre_attn_scalar apart
+    # from head_dim, sliding / global layers by transformers' default pattern, caps small
+    # enough to bend these tiny models' scores and logits; Gemma 3 adds per-head q/k norms
+    # and a second rotary base on its sliding layers (sliding_window_pattern 2)
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=5, attn_logit_softcapping=0.5, final_logit_softcapping=1.0,
+                   **SMALL_IDS),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=24, query_pre_attn_scalar=20,
+                        sliding_window=5, sliding_window_pattern=2, tie_word_embeddings=False,
+                        rope_theta=10000.0, rope_local_base_freq=100.0, **SMALL_IDS),
 }
 
 # Tiny mixtures: top-2 softmax routing (Mixtral, with a sliding window and a tied head),
@@ -42,11 +65,31 @@ MOE_CONFIGS = {
 }
 FAMILY_CONFIGS.update(MOE_CONFIGS)
 
+# Tiny llamas per rope scaling type that the families above do not cover
+# (tests/model/test_rope.py, tests/engine/test_engine.py). Each switch length is 16 tokens:
+# yarn's original context, longrope's original context (short factors within it, long ones
+# past it), dynamic NTK's max_position_embeddings (its base grows past it).
+ROPE_CONFIGS = {
+    "yarn": dict(model_type="llama", rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+        "beta_fast": 8.0, "beta_slow": 1.0}),
+    "longrope": dict(model_type="llama", rope_scaling={
+        "rope_type": "longrope", "original_max_position_embeddings": 16,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.5 + 0.7 * i for i in range(8)]}),
+    "dynamic": dict(model_type="llama", max_position_embeddings=16,
+                    rope_scaling={"rope_type": "dynamic", "factor": 3.0}),
+}
+ROPE_SWITCH = 16
+PHI3_SWITCH = dict(original_max_position_embeddings=ROPE_SWITCH)  # "phi3" with that switch
+
 
 def make_hf_config(family: str, **over):
     from transformers import AutoConfig
 
-    kw = dict(FAMILY_CONFIGS[family])
+    # a deep copy: transformers keeps the rope dict it is given and standardises it in place
+    kw = copy.deepcopy(FAMILY_CONFIGS[family] if family in FAMILY_CONFIGS
+                       else ROPE_CONFIGS[family])
     mt = kw.pop("model_type")
     base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

@@ -15,7 +15,8 @@ def _tokens(outs):
     return [[s.token_ids for s in o.samples] for o in outs]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama_bias", "gemma2",
+                                    "gemma3_text", "phi3"])
 def test_static_greedy_matches_general_path_and_transformers(hf_dirs, family):
     path, hf = hf_dirs[family]
     model = orbitrl.load_model(path)
@@ -177,6 +178,29 @@ def test_reference_paged_decode_against_dense_attention():
             v = vc[idx].transpose(0, 1).repeat_interleave(hq // hkv, 0)
             ref = torch.softmax((q[r][:, None] @ k.transpose(1, 2))[:, 0] * 0.3, -1)
             assert torch.allclose(out[r], (ref[:, None] @ v)[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_paged_decode_soft_caps_scores(dtype):
+    """Gemma 2's attention soft-capping (cap * tanh(scores / cap) before the mask) in both
+    of the reference's paths: fp32 on a CPU (in fp64) and any other dtype (no SDPA)."""
+    torch.manual_seed(0)
+    hq, hkv, d, bs, cap = 4, 2, 8, 4, 0.7
+    kc, vc = torch.randn(64, hkv, d, dtype=dtype), torch.randn(64, hkv, d, dtype=dtype)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]], dtype=torch.int32)
+    ctx = torch.tensor([13, 6], dtype=torch.int32)
+    q = torch.randn(2, hq, d, dtype=dtype)
+    out = ReferencePagedDecode()(q, kc, vc, tables, ctx, block_size=bs, scale=0.3,
+                                 window=5, softcap=cap)
+    plain = ReferencePagedDecode()(q, kc, vc, tables, ctx, block_size=bs, scale=0.3, window=5)
+    assert (out - plain).abs().max() > 1e-2
+    for r in range(2):
+        idx = (tables[r].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx[r]][-5:]
+        k = kc[idx].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        v = vc[idx].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+        s = (q[r][:, None] @ k.transpose(1, 2))[:, 0] * 0.3
+        ref = torch.softmax(torch.tanh(s / cap) * cap, -1)
+        assert torch.allclose(out[r], (ref[:, None] @ v)[:, 0], atol=1e-5)
 
 
 def test_reference_rows_do_not_depend_on_the_gather_extent():

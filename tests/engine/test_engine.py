@@ -7,20 +7,51 @@ import torch
 import orbitrl
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.sampler import filter_logits
-from hf_helpers import GREEDY, hf_greedy as _hf_greedy, random_prompts, unconstrained_run
+from hf_helpers import (GREEDY, PHI3_SWITCH, ROPE_CONFIGS, ROPE_SWITCH,
+                        hf_greedy as _hf_greedy, make_hf_model, random_prompts,
+                        unconstrained_run)
+
+# longrope and dynamic rope switch frequencies past ROPE_SWITCH tokens: transformers' prefill
+# of a longer prompt rotates all of it with the switched ones, orbitrl (and transformers'
+# one-token decode steps) by each token's position (model/rope.py), so these prompts stay
+# within the switch and the 12 tokens decoded cross it
+SWITCH_PROMPTS = [3, ROPE_SWITCH - 1, 9, 14, 1, 12]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "qwen3", "llama3", "smollm3", "olmo2",
-                                    "olmo3"])
+                                    "olmo3", "gemma2", "gemma3_text", "phi3"])
 def test_greedy_matches_transformers(hf_dirs, family):
     path, hf = hf_dirs[family]
-    model = orbitrl.load_model(path)
-    prompts = random_prompts([3, 17, 9, 33, 1, 12])
+    _greedy_matches(orbitrl.load_model(path), hf, random_prompts([3, 17, 9, 33, 1, 12]))
+
+
+@pytest.mark.parametrize("rope", list(ROPE_CONFIGS) + ["phi3"])
+def test_greedy_matches_transformers_rope_scaling(rope, tmp_path, monkeypatch):
+    hf = make_hf_model(rope, **PHI3_SWITCH if rope == "phi3" else {})
+    hf.save_pretrained(tmp_path)
+    if rope == "phi3":
+        # transformers' Phi-3 generate re-encodes the whole sequence, prompt included, with
+        # the long factors at the step that crosses the switch (its
+        # prepare_inputs_for_generation), which no KV cache that keeps each token's rotation
+        # (nor a trainer forward) reproduces; without that step it decodes as every other
+        # model's rotary does, one token per forward (docs/models.md, "Rope scaling")
+        from transformers import GenerationMixin
+
+        monkeypatch.setattr(type(hf), "prepare_inputs_for_generation",
+                            GenerationMixin.prepare_inputs_for_generation)
+    # dynamic NTK's max_position_embeddings is the switch: the engine may go past it;
+    # the general step and the static decode runner (CUDA graphs' path)
+    model, prompts = orbitrl.load_model(tmp_path), random_prompts(SWITCH_PROMPTS)
+    for static in (False, True):
+        _greedy_matches(model, hf, prompts, max_model_len=64, static_decode=static)
+
+
+def _greedy_matches(model, hf, prompts, **engine_kw):
     want = [_hf_greedy(hf, p, 12) for p in prompts]
     # batch sizes 1..6 at once, with and without chunked prefill, two block sizes
     for max_seqs, budget, bs in [(6, 2048, 16), (2, 16, 4), (4, 7, 8)]:
         eng = Engine(model, kv_budget_bytes=1 << 20, block_size=bs, max_num_seqs=max_seqs,
-                     max_num_batched_tokens=budget)
+                     max_num_batched_tokens=budget, **engine_kw)
         outs = eng.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
         for o, (toks, lps) in zip(outs, want):
             s = o.samples[0]

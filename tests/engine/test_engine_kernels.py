@@ -33,7 +33,7 @@ def _run(model, backend, static, kv_dtype=None):
 
 
 @pytest.mark.parametrize("family,kv_dtype", [("qwen2", None), ("mistral", None),
-                                             ("llama", "fp8")])
+                                             ("llama", "fp8"), ("gemma3_text", None)])
 @pytest.mark.parametrize("static", [False, True])
 def test_kernels_match_the_plain_path(hf_dirs, family, kv_dtype, static):
     model = orbitrl.load_model(hf_dirs[family][0], device=DEV)
@@ -85,3 +85,18 @@ def test_bad_backend(hf_dirs, monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(OrbitError, match="set TRITON_INTERPRET=1"):
             Engine(model, kv_budget_bytes=1 << 20, attention_backend="triton")
+
+
+def test_soft_capped_attention_never_reaches_the_kernels(hf_dirs):
+    """The kernels have no soft-capping: a Gemma 2 engine on "auto" attends with the
+    reference (even where "auto" means Triton), an explicit "triton" is refused with one
+    line naming the config key, never run without its cap."""
+    from orbitrl.engine.paged_attention import KVCache, PagedAttention
+
+    model = orbitrl.load_model(hf_dirs["gemma2"][0], device=DEV)
+    assert Engine(model, kv_budget_bytes=1 << 20).attention_backend == "torch"
+    with pytest.raises(OrbitError, match="attn_logit_softcapping"):
+        Engine(model, kv_budget_bytes=1 << 20, attention_backend="triton")
+    cache = KVCache(2, 2, 16, 4, 4, torch.float32, DEV)
+    with pytest.raises(OrbitError, match="attn_logit_softcapping"):
+        PagedAttention(cache, [None, None], 0.2, backend="triton", softcap=50.0)

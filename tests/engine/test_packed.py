@@ -282,3 +282,26 @@ def test_one_fused_output_is_held_at_a_time():
                                        rtol=1e-5, atol=1e-6)
         # only the last unit's outputs are kept (not one entry per layer)
         assert packed._stash[0] == id(packed.units[-1]) and packed._stash[1] is x
+
+
+def test_fused_checkpoint_projections_pack_as_they_are(hf_dirs, monkeypatch):
+    """Phi-3's qkv_proj and gate_up_proj are one linear each: each packs as a unit of its
+    own, and a step's q and k (columns of one output) rotate as one view."""
+    from orbitrl.model import decoder
+
+    model = orbitrl.load_model(hf_dirs["phi3"][0])
+    packed = PackedLinears(model, 1 << 30)
+    layer = model.model.layers[0]
+    units = {tuple(id(m) for m in u) for u in packed.units}
+    assert (id(layer.self_attn.qkv_proj),) in units and (id(layer.mlp.gate_up_proj),) in units
+    seen, real = [], decoder._side_by_side
+
+    def spy(q, k):
+        out = real(q, k)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decoder, "_side_by_side", spy)
+    with torch.inference_mode(), packed:
+        model(torch.tensor([[5, 9, 2, 7]]))
+    assert seen and all(seen)

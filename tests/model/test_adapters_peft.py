@@ -47,6 +47,10 @@ IDS = torch.randint(0, 97, (3, 10), generator=torch.Generator().manual_seed(5))
     ("qwen3", r"re:model\.layers\.1\.(self_attn\.o_proj|mlp\.up_proj)"),  # q/k norm, subset
     ("smollm3", "all-linear"),  # a NoPE layer
     ("olmo2", "all-linear"),  # post-norm, whole-projection q/k norm
+    ("phi3", "all-linear"),  # fused qkv_proj / gate_up_proj: one LoRA pair each, as peft
+    ("phi3", ["qkv_proj", "down_proj"]),
+    ("gemma2", "all-linear"),  # (1+w) sandwich norms, soft-capping, scaled embeddings
+    ("gemma3_text", ["q_proj", "k_proj", "down_proj"]),  # per-head q/k norms, two rotaries
 ])
 def test_peft_loads_our_adapters(hf_dirs, tmp_path, family, targets):
     path, ref = hf_dirs[family]
@@ -88,14 +92,15 @@ def test_quantized_base_adapters_in_peft_and_merged_export(hf_dirs, tmp_path, fm
         assert (merged.eval()(IDS).logits - ours).abs().max().item() < 1e-5
 
 
-def test_we_load_peft_adapters(hf_dirs, tmp_path):
+@pytest.mark.parametrize("family,targets", [("mistral", ["k_proj", "down_proj"]),
+                                             ("phi3", ["qkv_proj", "gate_up_proj"])])
+def test_we_load_peft_adapters(hf_dirs, tmp_path, family, targets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    path, _ = hf_dirs["mistral"]
+    path, _ = hf_dirs[family]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    pm = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16,
-                                       target_modules=["k_proj", "down_proj"]))
+    pm = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in pm.named_parameters():

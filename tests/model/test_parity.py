@@ -11,6 +11,7 @@ from hf_helpers import FAMILY_CONFIGS
 def test_logits_match_transformers(hf_dirs, family):
     path, ref = hf_dirs[family]
     ours = orbitrl.load_model(path, dtype="float32")
+    assert ours.config.num_params == sum(p.numel() for p in ref.parameters())
     torch.manual_seed(1)
     ids = torch.randint(0, 97, (3, 11))
     with torch.no_grad():
@@ -50,7 +51,8 @@ def test_padding_rows_do_not_leak(hf_dirs):
     assert (a - b[:, :6]).abs().max().item() < 1e-6
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "olmo3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3", "olmo3", "gemma2",
+                                    "gemma3_text", "phi3"])
 def test_export_round_trip(hf_dirs, family, tmp_path):
     from transformers import AutoModelForCausalLM
 

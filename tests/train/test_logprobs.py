@@ -13,9 +13,10 @@ def _case(N=37, H=16, V=101, seed=0):
     return h, w, y
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])  # 3.0: Gemma's final soft-capping, bent
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunks", [(16, 5), (101, 37), (7, 64), (1000, 1000)])
-def test_values_and_grads_match_naive(temperature, chunks):
+def test_values_and_grads_match_naive(temperature, chunks, softcap):
     vc, tc = chunks
     h, w, y = _case()
     y[3] = -100  # ignored position
@@ -24,12 +25,14 @@ def test_values_and_grads_match_naive(temperature, chunks):
 
     h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp, ent = token_logprobs(h1, w1, y, temperature=temperature, with_entropy=True,
-                             vocab_chunk=vc, token_chunk=tc)
+                             vocab_chunk=vc, token_chunk=tc, softcap=softcap)
     ((lp * a).sum() + (ent * b).sum()).backward()
 
     h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp2, ent2 = naive_token_logprobs(h2, w2, y, temperature)
+    lp2, ent2 = naive_token_logprobs(h2, w2, y, temperature, softcap)
     ((lp2 * a).sum() + (ent2 * b).sum()).backward()
+    if softcap is not None:  # the cap really bends these logits
+        assert (naive_token_logprobs(h, w, y, temperature)[0] - lp2).abs().max() > 0.1
 
     assert lp[3] == 0
     torch.testing.assert_close(lp, lp2, atol=1e-5, rtol=1e-5)
@@ -66,8 +69,8 @@ def test_tile_never_vocab_sized(monkeypatch):
     seen = []
     orig = L._tile
 
-    def spy(h, w, inv_t):
-        z = orig(h, w, inv_t)
+    def spy(h, w, *rest):
+        z = orig(h, w, *rest)
         seen.append(tuple(z.shape))
         return z
 

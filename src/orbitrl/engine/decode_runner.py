@@ -42,7 +42,8 @@ from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.paged_attention import KVCache
 from orbitrl.engine.paged_common import auto_splits, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
-from orbitrl.model.attention import decode_attention_exact
+from orbitrl.errors import OrbitError
+from orbitrl.model.attention import decode_attention_exact, sdpa
 from orbitrl.model.lora import adapter_view
 
 GPU_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 513, 16))
@@ -89,7 +90,8 @@ class ReferencePagedDecode:
         return self._idx, self._masks[window]
 
     def __call__(self, q, k_cache, v_cache, block_tables, context_lens, *, block_size: int,
-                 scale: float, window: int | None = None, k_scale=None, v_scale=None):
+                 scale: float, window: int | None = None, k_scale=None, v_scale=None,
+                 softcap: float | None = None):
         b, hq, d = q.shape
         hkv = k_cache.shape[1]
         idx, mask = self._meta(block_tables, context_lens, block_size, window)
@@ -101,7 +103,11 @@ class ReferencePagedDecode:
             # fp64, as the general path's decode: fp32 SDPA's sums follow the gather's
             # extent C (the batch's longest row), so a row's bits would depend on its batch
             o = decode_attention_exact(q.view(b, hkv, hq // hkv, d), k.view(b, -1, hkv, d),
-                                       v.view(b, -1, hkv, d), mask, scale)
+                                       v.view(b, -1, hkv, d), mask, scale, softcap)
+        elif softcap is not None:  # Gemma 2's capped scores: no SDPA
+            o = sdpa(q.view(b, hkv, hq // hkv, d), k.view(b, -1, hkv, d).transpose(1, 2),
+                     v.view(b, -1, hkv, d).transpose(1, 2), mask, scale, False,
+                     softcap=softcap)
         else:
             k = k.view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, C, D]
             v = v.view(b, -1, hkv, d).transpose(1, 2)
@@ -111,14 +117,17 @@ class ReferencePagedDecode:
 
 
 def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, context_lens,
-                     window, scale, prefix_groups=None, num_splits=None):
+                     window, scale, prefix_groups=None, num_splits=None, softcap=None):
     """The one call site of paged decode attention: ``attend`` has the signature of
     ``orbitrl.engine.attention_kernels.paged_decode`` (``prefix_groups`` and
-    ``num_splits`` are passed only when given: the reference takes neither)."""
+    ``num_splits`` are passed only when given: the reference takes neither; ``softcap``,
+    Gemma 2's, only when given: the reference alone takes it)."""
     ks, vs = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
     kw = {} if prefix_groups is None else {"prefix_groups": prefix_groups}
     if num_splits is not None:
         kw["num_splits"] = num_splits
+    if softcap is not None:
+        kw["softcap"] = softcap
     return attend(q, cache.k[layer], cache.v[layer], block_tables, context_lens,
                   block_size=cache.block_size, scale=scale, window=window, k_scale=ks,
                   v_scale=vs, **kw)
@@ -179,7 +188,7 @@ class _StepAttention:
         self.cache.write(layer, self.slots, k, v)
         r = self.runner
         o = decode_attention(r.attend, q[:, 0], self.cache, layer, self.bt, self.ctx,
-                             r.windows[layer], r.scale, self.groups, self.splits)
+                             r.windows[layer], r.scale, self.groups, self.splits, r.softcap)
         return o[:, None]
 
 
@@ -205,8 +214,13 @@ class DecodeRunner:
         self.buckets = [b for b in (buckets or (GPU_BUCKETS if cuda else CPU_BUCKETS))
                         if b < state.capacity] + [state.capacity]
         cfg = model.config
-        self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
+        self.windows, self.scale = cfg.sliding_windows, cfg.attn_scale
+        self.softcap = cfg.attn_softcap  # Gemma 2's attention soft-capping
         self.attend = attend or default_attend(state.device, backend)
+        if self.softcap is not None and attend is None and \
+                not isinstance(self.attend, ReferencePagedDecode):
+            raise OrbitError("attention backend 'triton': the paged kernels have no attention "
+                             "soft-capping (config.json attn_logit_softcapping); use 'torch'")
         self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
         self._graphs: dict = {}
         self._sig = None
@@ -266,7 +280,7 @@ class DecodeRunner:
                 self.packed or nullcontext():
             hidden = self.model(st.tokens[:b, None], positions=st.positions[:b, None],
                                 attn=attn, return_hidden=True)[:, 0]
-            logits = self.model.lm_head(hidden).float()
+            logits = self.model.head(hidden).float()
         u = uniforms(st.keys[:b], st.counters[:b])
         filt = (st.top_k[:b], st.top_p[:b]) if filtered else (None, None)
         tok, lp, raw = sample_rows(logits, st.inv_temp[:b], st.greedy[:b], u, *filt)

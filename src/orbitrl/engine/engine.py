@@ -76,7 +76,8 @@ class Engine:
         block_size: tokens per KV block.
         max_num_seqs: sequences running at once (a request's n samples count n).
         max_num_batched_tokens: tokens per forward; longer prompts are prefilled in chunks.
-        max_model_len: context length; default the model's max_position_embeddings.
+        max_model_len: context length; default the model's ``config.context_length``
+            (max_position_embeddings, times the factor of dynamic NTK scaling).
         preempt: "recompute" or "swap" when blocks run out; default swap on CUDA, recompute
             on CPU (where host and device memory are the same).
         seed: seeds the generator that draws a seed for each request without one.
@@ -127,7 +128,7 @@ class Engine:
         fp8 = kv_dtype in FP8_NAMES
         if kv_dtype is not None and not fp8 and kv_dtype != str(dtype).removeprefix("torch."):
             raise OrbitError(f"kv_dtype {kv_dtype!r}: choose None (the model dtype) or 'fp8'")
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_model_len = max_model_len or cfg.context_length
         self.block_bytes = kv_block_bytes(model, kv_dtype, block_size)
         if kv_budget_bytes is None:
             if device.type == "cuda":
@@ -149,7 +150,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
-        # paged attention: the Triton kernels on CUDA, gather + SDPA elsewhere (the reference)
+        # paged attention: the Triton kernels on CUDA, gather + SDPA elsewhere (the reference);
+        # the kernels have no soft-capping, so a Gemma 2 model takes the reference ("auto")
+        # or is refused (an explicit "triton", by ModelRunner / DecodeRunner)
+        if attention_backend == "auto" and getattr(cfg, "attn_softcap", None) is not None:
+            attention_backend = "torch"
         try:
             self.attention_backend = resolve_backend(device, attention_backend)
         except ValueError as e:

@@ -61,10 +61,11 @@ class ModelRunner:
     def __init__(self, model, cache: KVCache):
         self.model, self.cache = model, cache
         cfg = model.config
-        self.windows, self.scale = cfg.sliding_windows, cfg.head_dim ** -0.5
+        self.windows, self.scale = cfg.sliding_windows, cfg.attn_scale
+        self.softcap = cfg.attn_softcap  # Gemma 2's attention soft-capping
         self.packed = None  # the engine's PackedLinears (CPU), entered around each step
         # paged attention: "triton" (the kernels, the CUDA default) or "torch" (gather + SDPA)
-        self.backend = resolve_backend(model.device, "auto")
+        self.backend = resolve_backend(model.device, "auto" if self.softcap is None else "torch")
 
     def run(self, items: list[tuple[Sequence, int]]):
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S
@@ -95,7 +96,7 @@ class ModelRunner:
         exact = getattr(self.model, "attention_fp64", True) and not self.packed
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],
-                                    exact=exact, backend=self.backend)
+                                    exact=exact, backend=self.backend, softcap=self.softcap)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR
@@ -124,4 +125,4 @@ class ModelRunner:
         last = hidden.index_select(0, torch.tensor(rows, device=dev))
         with RowPadded() if not packed and dev.type == "cpu" and k < ROW_FLOOR else \
                 nullcontext():
-            return self.model.lm_head(last)[:k].float(), done
+            return self.model.head(last)[:k].float(), done

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
 from orbitrl.engine.paged_common import FP8, FP8_MAX, dequantize
+from orbitrl.errors import OrbitError
 from orbitrl.model.attention import decode_attention_exact, sdpa
 
 class KVCache:
@@ -126,8 +127,12 @@ class PagedAttention:
     """
 
     def __init__(self, cache: KVCache, windows: list, scale: float, exact: bool = True,
-                 backend: str = "torch"):
+                 backend: str = "torch", softcap: float | None = None):
         self.cache, self.windows, self.scale = cache, windows, scale
+        self.softcap = softcap  # Gemma 2: scores soft-capped (the torch path only)
+        if softcap is not None and backend == "triton":
+            raise OrbitError("attention backend 'triton': the paged kernels have no attention "
+                             "soft-capping (config.json attn_logit_softcapping); use 'torch'")
         self.exact = exact  # model.attention.sdpa: fp32 CPU attention in fp64
         # "torch": gather + SDPA (the CPU default and the reference); "triton": the paged
         # kernels of attention_kernels.py read the blocks in place (the CUDA default)
@@ -138,8 +143,8 @@ class PagedAttention:
     @classmethod
     def build(cls, cache: KVCache, windows: list, scale: float,
               items: list[tuple[list[int], int, int]], exact: bool = True,
-              backend: str = "torch") -> "PagedAttention":
-        self = cls(cache, windows, scale, exact, backend)
+              backend: str = "torch", softcap: float | None = None) -> "PagedAttention":
+        self = cls(cache, windows, scale, exact, backend, softcap)
         dev, bs = cache.k.device, cache.block_size
         ar = torch.arange(bs, device=dev)
         nd = 0
@@ -236,7 +241,7 @@ class PagedAttention:
             kc, vc = self.cache.read(layer, slots)
             o = sdpa(q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
                      vc.transpose(0, 1)[None], self._mask(i, window), self.scale, self.exact,
-                     enable_gqa=hq != hkv)
+                     enable_gqa=hq != hkv, softcap=self.softcap)
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]
 
@@ -250,10 +255,12 @@ class PagedAttention:
         # the G query heads sharing one kv head act as G queries of that head
         qd = q[:b].view(b, hkv, hq // hkv, d)
         if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
-            o = decode_attention_exact(qd, kc, vc, self._mask("dec", window), self.scale)
+            o = decode_attention_exact(qd, kc, vc, self._mask("dec", window), self.scale,
+                                       self.softcap)
         else:
             o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2),
-                     self._mask("dec", window, additive=q.dtype), self.scale, self.exact)
+                     self._mask("dec", window, additive=q.dtype), self.scale, self.exact,
+                     softcap=self.softcap)
         return o.reshape(b, hq, d)
 
     def _kernels(self, layer: int, q, out, window):

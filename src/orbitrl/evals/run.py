@@ -68,7 +68,7 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
     bad = [k for k in opts.k if k < 1 or (opts.n and k > opts.n)]
     if opts.n and bad:
         raise OrbitError(f"--k {bad[0]}: pass@k needs k <= n (n = {opts.n})")
-    context = model.config.max_position_embeddings
+    context = model.config.context_length
     max_tokens = opts.max_tokens or min(task.max_tokens, context // 2)
     ev = Evaluator(sized_engine(model, tok, opts.batch, opts.packed_mb),
                    lambda t: encode_prompt(tok, t, opts.chat_template), None, max_tokens,

@@ -113,6 +113,8 @@ def largest_projection_params(shape: ModelShape) -> int:
     """Elements of the largest decoder-layer projection (what is dequantized per call)."""
     q = shape.num_heads * shape.head_dim
     f = shape.expert_intermediate if shape.is_moe else shape.intermediate
+    if shape.fused_projections:  # Phi-3/4: qkv_proj and gate_up_proj
+        return shape.hidden * max(2 * f, q + 2 * shape.kv_dim)
     return shape.hidden * max(f, q, shape.kv_dim)
 
 
@@ -120,7 +122,8 @@ def largest_tensor_params(shape: ModelShape) -> int:
     """Elements of the model's largest single weight (embedding, a projection, the lm head)."""
     q = shape.num_heads * shape.head_dim
     f = shape.expert_intermediate if shape.is_moe else shape.intermediate
-    return max(shape.vocab * shape.hidden, shape.hidden * max(f, 1), shape.hidden * q)
+    return max(shape.vocab * shape.hidden, largest_projection_params(shape),
+               shape.hidden * max(f, 1), shape.hidden * q)
 
 
 def projection_params(shape: ModelShape) -> int:

@@ -38,6 +38,7 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_experts: int = 0
     total_override: int | None = None
+    fused_projections: bool = False  # Phi-3/4: one qkv_proj and one gate_up_proj per layer
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab"):
@@ -129,6 +130,9 @@ class ModelShape:
         attn = rank * ((h + q) + 2 * (h + kv) + (q + h))
         f = self.expert_intermediate * self.shared_experts if self.is_moe else self.intermediate
         mlp = rank * 3 * (h + f) if f else 0
+        if self.fused_projections:  # one adapter on qkv_proj, one on gate_up_proj
+            attn = rank * ((h + q + 2 * kv) + (q + h))
+            mlp = rank * ((h + 2 * f) + (f + h))
         return self.num_layers * (attn + mlp)
 
 
@@ -145,7 +149,8 @@ def from_config(cfg: dict, name: str = "config") -> ModelShape:
     except KeyError as e:
         raise ValueError(f"{name}: config.json lacks {e.args[0]}") from None
     kv_heads = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or hidden // heads)
+    gemma = c.get("model_type") in ("gemma2", "gemma3_text")  # transformers' defaults below
+    head_dim = int(c.get("head_dim") or (256 if gemma else hidden // heads))
     experts = int(c.get("num_local_experts") or c.get("n_routed_experts") or c.get("num_experts") or 0)
     width = int(c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0
     shared = int(c.get("n_shared_experts") or 0)
@@ -154,9 +159,10 @@ def from_config(cfg: dict, name: str = "config") -> ModelShape:
     return ModelShape(
         name=name, num_layers=layers, hidden=hidden, intermediate=int(c.get("intermediate_size", 4 * hidden)),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), num_experts=experts,
+        tie_embeddings=bool(c.get("tie_word_embeddings", gemma)), num_experts=experts,
         experts_per_token=int(c.get("num_experts_per_tok") or (2 if experts else 0)),
         expert_intermediate=width, shared_experts=shared,
+        fused_projections=c.get("model_type") == "phi3",
     )
 
 

@@ -34,8 +34,36 @@ def build_mask(seq_ids: torch.Tensor, positions: torch.Tensor,
     return mask[:, None]
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """transformers' soft-capping ``tanh(x / cap) * cap`` (Gemma's attention scores and
+    logits); ``cap`` None: x as it is."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def _capped_attention(q, k, v, mask, scale: float, cap: float, exact: bool,
+                      enable_gqa: bool) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot express: transformers' eager
+    attention (scores scaled, capped, masked; softmax in fp32, cast back to q's dtype before
+    the product with v), in fp64 for fp32 CPU inputs with ``exact``. Shapes as in sdpa."""
+    dt = q.dtype
+    if enable_gqa and k.shape[-3] != q.shape[-3]:  # each kv head serves its group of q heads
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    wide = exact and dt == torch.float32 and q.device.type == "cpu"
+    if wide:
+        q, k, v = q.double(), k.double(), v.double()
+    s = soft_cap((q @ k.transpose(-1, -2)) * scale, cap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    p = torch.softmax(s, -1, dtype=torch.float64 if wide else torch.float32).to(q.dtype)
+    return (p @ v).to(dt)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-         scale: float, exact: bool = True, enable_gqa: bool = False) -> torch.Tensor:
+         scale: float, exact: bool = True, enable_gqa: bool = False,
+         softcap: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on [..., H, T, D]; with ``exact``, fp32 inputs on
     a CPU are computed in fp64 and rounded back to fp32.
 
@@ -45,7 +73,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     ulps, which the layers above amplify into 1e-5..1e-4 of a sampled token's logprob. In
     fp64 the orders still differ but the rounded fp32 results agree (to 1 ulp at worst), so
     a rollout's logprobs are the trainer's to the bit wherever the rest of the model
-    is row-invariant (docs/moe.md, "Routing replay")."""
+    is row-invariant (docs/moe.md, "Routing replay").
+
+    ``softcap``: the scores soft-capped before the mask (Gemma 2), computed without SDPA
+    (``_capped_attention``)."""
+    if softcap is not None:
+        return _capped_attention(q, k, v, mask, scale, softcap, exact, enable_gqa)
     if exact and q.dtype == torch.float32 and q.device.type == "cpu":
         out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                              attn_mask=mask, scale=scale,
@@ -56,7 +89,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           allowed: torch.Tensor, scale: float) -> torch.Tensor:
+                           allowed: torch.Tensor, scale: float,
+                           softcap: float | None = None) -> torch.Tensor:
     """One query token per row over its gathered context, fp32 in and out, computed in fp64
     (what :func:`sdpa` with ``exact`` gives, to the rounding of the fp32 result).
 
@@ -75,15 +109,18 @@ def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k64.copy_(k.transpose(1, 2))
     v64.copy_(v.transpose(1, 2))
     s = torch.bmm(q.reshape(b * hkv, g, d).double(), k64.view(b * hkv, c, d).transpose(1, 2))
-    s = s.view(b, hkv, g, c).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    s = soft_cap(s.view(b, hkv, g, c).mul_(scale), softcap)  # (Gemma 2: capped scores)
+    s = s.masked_fill_(~allowed, float("-inf"))
     p = torch.softmax(s, -1).view(b * hkv, g, c)
     return torch.bmm(p, v64.view(b * hkv, c, d)).view(b, hkv, g, d).float()
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float, exact: bool = True) -> torch.Tensor:
+                    mask: torch.Tensor | None, scale: float, exact: bool = True,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: [B, 1, T, S] -> [B, T, Hq, D].
-    ``exact``: see :func:`sdpa`."""
+    ``exact``, ``softcap``: see :func:`sdpa`."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    out = sdpa(q, k, v, mask, scale, exact, enable_gqa=q.shape[1] != k.shape[1])
+    out = sdpa(q, k, v, mask, scale, exact, enable_gqa=q.shape[1] != k.shape[1],
+               softcap=softcap)
     return out.transpose(1, 2)

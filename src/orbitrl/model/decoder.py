@@ -1,9 +1,15 @@
-"""The one decoder (Llama / Mistral / Qwen2 / Qwen3, and the mixture-of-experts families
-Mixtral / Qwen2-MoE / Qwen3-MoE through ``moe.py``) that rolls out, scores and trains.
+"""The one decoder (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / OLMo 2-3 / Gemma 2-3, and the
+mixture-of-experts families Mixtral / Qwen2-MoE / Qwen3-MoE through ``moe.py``) that rolls
+out, scores and trains. What sets the families apart is read from ``ModelConfig``: norm
+placement (pre-norm, OLMo's post-norm, Gemma's sandwich), Gemma's (1 + w) norms, scaled
+embeddings, attention scale and soft-capping (``attention.soft_cap``, in every attention path
+and in ``Decoder.head``), and which rotary each layer takes.
 
 Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``) so that weights
-and PEFT adapter names map one to one (see ``weights.py``). Projections are plain
-``nn.Linear`` modules; adapters and frozen quantized formats replace them in place.
+and PEFT adapter names map one to one (see ``weights.py``); Phi-3/4 keep their fused
+``qkv_proj`` and ``gate_up_proj`` (``ModelConfig.fused_proj``), split after the GEMM as
+transformers does. Projections are plain ``nn.Linear`` modules; adapters and frozen
+quantized formats replace them in place.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from orbitrl.model.attention import build_mask, dense_attention
+from orbitrl.model.attention import build_mask, dense_attention, soft_cap
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.dtensor import is_dtensor
 from orbitrl.model.moe import Routing, make_ffn
@@ -28,13 +34,21 @@ AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``plus_one`` (Gemma): the weight is stored as an offset, ``x_normed * (1 + w)``, both
+    in fp32 and the product rounded to x's dtype (transformers' Gemma RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.plus_one:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (xf * (1.0 + self.weight.float())).to(dtype)
         if x.is_cpu:
             # on a CPU, F.rms_norm runs transformers' ``x * rsqrt(mean(x^2) + eps)`` (and
             # the weight's product) as one call from Python instead of six: the same bits,
@@ -62,29 +76,38 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = self.hd ** -0.5
+        self.scale = cfg.attn_scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar
+        self.softcap = cfg.attn_softcap  # Gemma 2: cap * tanh(scores / cap)
         self.window = cfg.sliding_windows[layer_idx]
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.fused = cfg.fused_proj  # Phi-3/4: one qkv_proj, its output split into q, k, v
+        if self.fused:
+            self.qkv_proj = nn.Linear(h, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
         self.rotary = cfg.rope_layers[layer_idx]  # False: a NoPE layer (SmolLM3)
         self.full_norm = cfg.qk_norm_full  # OLMo 2/3: norms over the whole projection
         if cfg.qk_norm or cfg.qk_norm_full:
             w = (self.nh * self.hd, self.nkv * self.hd) if cfg.qk_norm_full else (self.hd,) * 2
-            self.q_norm = RMSNorm(w[0], cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(w[1], cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(w[0], cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(w[1], cfg.rms_norm_eps, cfg.norm_plus_one)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, masks, attn: Optional[AttentionBackend]):
         B, T, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split((self.nh * self.hd, self.nkv * self.hd,
+                                              self.nkv * self.hd), -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), None
         if self.full_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        v = (self.v_proj(x) if v is None else v).view(B, T, self.nkv, self.hd)
         if self.q_norm is not None and not self.full_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         qk = None if torch.is_grad_enabled() or not self.rotary else _side_by_side(q, k)
@@ -95,7 +118,8 @@ class Attention(nn.Module):
         if attn is not None:
             out = attn(self.layer_idx, q, k, v)
         else:
-            out = dense_attention(q, k, v, masks(self.window), self.scale, masks.exact)
+            out = dense_attention(q, k, v, masks(self.window), self.scale, masks.exact,
+                                  self.softcap)
         return self.o_proj(out.reshape(B, T, self.nh * self.hd))
 
 
@@ -116,11 +140,22 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b)
-        self.up_proj = nn.Linear(h, i, bias=b)
+        self.fused = cfg.fused_proj  # Phi-3/4: gate and up rows in one gate_up_proj
+        if self.fused:
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=b)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=b)
+            self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma: GELU, tanh approximation
 
     def forward(self, x):
+        if self.fused:  # transformers' chunk(2): gate first
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(F.silu(gate) * up)
+        if self.gelu:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh")
+                                  * self.up_proj(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -131,14 +166,26 @@ class DecoderLayer(nn.Module):
         # "mlp" (Mixtral: "block_sparse_moe"): a dense MLP or a sparse mixture (moe.py)
         self.ffn_name, ffn = make_ffn(cfg, layer_idx, lambda: MLP(cfg))
         setattr(self, self.ffn_name, ffn)
-        self.post_norm = cfg.post_norm
+        self.post_norm, self.sandwich = cfg.post_norm, cfg.sandwich_norm
+
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+
         if cfg.post_norm:  # OLMo 2/3: x + norm(attn(x)), then x + norm(mlp(x))
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = norm()
         else:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if cfg.sandwich_norm:  # Gemma 2/3: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, masks, attn=None, routing: Routing | None = None):
+        if self.sandwich:
+            h = self.self_attn(self.input_layernorm(x), cos, sin, masks, attn)
+            x = x + self.post_attention_layernorm(h)
+            h = self._ffn(self.pre_feedforward_layernorm(x), routing)
+            return x + self.post_feedforward_layernorm(h)
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, masks, attn))
             return x + self.post_feedforward_layernorm(self._ffn(x, routing))
@@ -157,7 +204,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
 
 
 class _Masks:
@@ -173,6 +220,20 @@ class _Masks:
             self.cache[window] = build_mask(self.seq_ids, self.positions, window,
                                             self.parent_ids)
         return self.cache[window]
+
+
+_EMBED_SCALES: dict = {}
+
+
+def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding multiplier: sqrt(hidden_size) as an fp32 tensor cast to the
+    embeddings' dtype (transformers; bf16 makes sqrt(3072) 55.5), as a Python number, which
+    multiplies exactly like that 0-d tensor and needs no device copy (CUDA graphs)."""
+    key = (hidden_size, dtype)
+    if key not in _EMBED_SCALES:
+        root = torch.tensor(hidden_size ** 0.5, dtype=torch.float32)
+        _EMBED_SCALES[key] = root.to(dtype).item()
+    return _EMBED_SCALES[key]
 
 
 _OFFLOAD_LOCK = threading.Lock()  # side-by-side workers (rl/parallel.py) share the counters
@@ -193,7 +254,8 @@ class ActivationOffload:
     It is a pair of saved-tensor hooks around each checkpointed layer. Checkpoint saves the
     layer's tensor arguments outside its own hooks, so the hooks see exactly the hidden
     state ``x`` and the rotary ``cos`` / ``sin``; those two are one pair shared by every
-    layer of the forward and stay as they are (``shared``), so only the hidden states move:
+    layer of the forward (Gemma 3: two pairs, global and sliding layers') and stay as they
+    are (``shared``), so only the hidden states move:
     layers x tokens x hidden x element size bytes per forward. On a CPU the host buffer is
     still a separate copy, so a CPU run takes the path a GPU run takes, at the cost of the
     copies (host and device being one memory, nothing is saved there).
@@ -260,6 +322,8 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg)
+        # Gemma 3: the sliding layers' own rotary (another base; config.local_rope_layers)
+        self.rotary_local = Rotary(cfg.local_rope_config()) if cfg.local_rope else None
         self.recompute = False
         self.offload_activations = False
         self.activation_offload = ActivationOffload()  # what offload_activations moved
@@ -297,24 +361,36 @@ class Decoder(nn.Module):
         if seq_ids is None:
             seq_ids = torch.zeros_like(input_ids)
         x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale:  # Gemma: times sqrt(hidden_size), rounded to x's dtype
+            x = x * _embed_scale(self.config.hidden_size, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
+        local = None if self.rotary_local is None else self.rotary_local(positions, x.dtype)
         masks = _Masks(seq_ids, positions, parent_ids, self.attention_fp64)
         if routing is not None:
             routing.valid = seq_ids.reshape(-1) >= 0
         recompute = self.recompute and torch.is_grad_enabled() and attn is None
         # checkpoint saves the layer inputs outside its own hooks, so these hooks see
         # exactly those: x moves to the host, the shared cos / sin stay
-        offload = self.activation_offload.hooks(cos, sin) \
+        offload = self.activation_offload.hooks(cos, sin, *(local or ())) \
             if recompute and self.offload_activations else nullcontext()
-        for layer in self.model.layers:
+        sliding = self.config.local_rope_layers
+        for i, layer in enumerate(self.model.layers):
+            c, s = local if local is not None and sliding[i] else (cos, sin)
             if recompute:
                 with offload:
-                    x = checkpoint(layer, x, cos, sin, masks, None, routing,
+                    x = checkpoint(layer, x, c, s, masks, None, routing,
                                    use_reentrant=False)
             else:
-                x = layer(x, cos, sin, masks, attn, routing)
+                x = layer(x, c, s, masks, attn, routing)
         x = self.model.norm(x)
-        return x if return_hidden else self.lm_head(x)
+        return x if return_hidden else self.head(x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from final hidden states: ``lm_head``, then the final soft-capping where
+        the family has it (Gemma's ``final_logit_softcapping``). The engine's samplers take
+        their logits from here; the trainer's chunked logprobs apply the same cap
+        (``train.logprobs.token_logprobs``)."""
+        return soft_cap(self.lm_head(hidden), self.config.final_softcap)
 
     @property
     def device(self) -> torch.device:

@@ -33,11 +33,11 @@ _HF_NAMES = [
     r"model\.embed_tokens\.weight",
     r"model\.norm\.weight",
     r"lm_head\.weight",
-    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|post_feedforward_layernorm)"
-    r"\.weight",
-    r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj\.(weight|bias)",
+    r"model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm"
+    r"|post_feedforward_layernorm)\.weight",
+    r"model\.layers\.\d+\.self_attn\.(q|k|v|o|qkv)_proj\.(weight|bias)",  # qkv: Phi-3/4
     r"model\.layers\.\d+\.self_attn\.(q|k)_norm\.weight",
-    r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias)",
+    r"model\.layers\.\d+\.mlp\.(gate|up|down|gate_up)_proj\.(weight|bias)",
     # mixtures (moe.py): router, routed experts (Mixtral: w1 gate, w3 up, w2 down), shared expert
     r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.gate\.weight",
     r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w1|w2|w3)\.weight",
@@ -138,8 +138,8 @@ def empty_modules():
 def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
                group_size: Optional[int] = None) -> Decoder:
-    """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3; Mixtral, Qwen2-MoE,
-    Qwen3-MoE) into our decoder.
+    """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, OLMo 2/3,
+    Gemma 2/3 text; Mixtral, Qwen2-MoE, Qwen3-MoE) into our decoder.
 
     Args:
         path: directory with config.json and model.safetensors (or an index + shards).
@@ -278,7 +278,8 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+         "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "phi3": "Phi3ForCausalLM",
+         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _write_atomic(path: Path, write: Callable[[str], None]):

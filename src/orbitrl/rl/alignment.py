@@ -28,6 +28,7 @@ import torch
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.kv import kv_bytes_per_token
+from orbitrl.model.attention import soft_cap
 from orbitrl.observe.alignment import AlignmentBounds, compare, violations
 from orbitrl.train.logprobs import token_logprobs
 
@@ -46,9 +47,11 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
     rows: list[torch.Tensor] = []
     me = threading.get_ident()  # (a rollout thread may share the model: overlapped mode)
 
+    cap = getattr(cfg, "final_softcap", None)  # the logits sampled from: Decoder.head
+
     def keep(module, inputs, output):
         if threading.get_ident() == me:
-            rows.append(output.detach().float())
+            rows.append(soft_cap(output.detach(), cap).float())
 
     hook = model.lm_head.register_forward_hook(keep)
     out = []
@@ -83,9 +86,9 @@ def trainer_logits(model, prompts: list[list[int]], completions: list[list[int]]
         targets += c
         at += len(p) + len(c)
     h = hidden[torch.tensor(picks, device=hidden.device)]
-    w = model.lm_head.weight
-    logits = h.float() @ w.float().t()
-    logp = token_logprobs(h, w, torch.tensor(targets, device=h.device))
+    w, cap = model.lm_head.weight, getattr(model.config, "final_softcap", None)
+    logits = soft_cap(h.float() @ w.float().t(), cap)
+    logp = token_logprobs(h, w, torch.tensor(targets, device=h.device), softcap=cap)
     return logits.cpu(), logp.float().cpu()
 
 

@@ -174,7 +174,8 @@ def score(model: Decoder, batch: PackedBatch, temperature: float = 1.0,
                    parent_ids=batch.parent_ids, return_hidden=True,
                    routing=routing).flatten(0, 1)[batch.src]
     out = token_logprobs(hidden, model.lm_head.weight, batch.targets,
-                         temperature=temperature, with_entropy=with_entropy)
+                         temperature=temperature, with_entropy=with_entropy,
+                         softcap=getattr(model.config, "final_softcap", None))
     res = (batch.pad(out[0]), batch.pad(out[1])) if with_entropy else (batch.pad(out),)
     if return_hidden:
         res = res + (hidden,)

@@ -16,6 +16,8 @@ Maths, per token with logits z = (h @ W^T) / temperature, target y:
     entropy H = lse - sum_j p_j z_j
     d logprob / dz = onehot(y) - p
     d H / dz       = -p * (z - lse + H)
+With a final soft-cap c (Gemma), z = c * tanh((h @ W^T) / c) / temperature and the chain
+rule adds the factor 1 - tanh^2 per logit.
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ VOCAB_CHUNK = 8192
 TOKEN_CHUNK = 1024
 
 
-def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float) -> torch.Tensor:
-    # h: [n, H], w: [v, H] -> fp32 logits [n, v] (scaled by 1/temperature)
+def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float, cap: float | None) -> torch.Tensor:
+    # h: [n, H], w: [v, H] -> fp32 logits [n, v] (soft-capped, scaled by 1/temperature)
     z = h.float() @ w.float().t()
+    if cap is not None:  # Gemma's final_logit_softcapping: cap * tanh(z / cap)
+        z = z.div_(cap).tanh_().mul_(cap)
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t, vocab_chunk, token_chunk):
+    def forward(ctx, hidden, weight, targets, inv_t, vocab_chunk, token_chunk, cap):
         # hidden: [N, H], weight: [V, H], targets: [N] (negative = ignored) -> [N], [N]
         N, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -53,7 +57,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             sz = torch.zeros(t1 - t0, dtype=torch.float32, device=dev)  # sum exp(z - m) z
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(V, v0 + vocab_chunk)
-                z = _tile(h, weight[v0:v1], inv_t)  # [n, v]
+                z = _tile(h, weight[v0:v1], inv_t, cap)  # [n, v]
                 m_new = torch.maximum(m, z.max(dim=1).values)
                 scale = torch.exp(m - m_new)
                 e = torch.exp(z - m_new[:, None])
@@ -70,14 +74,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ent[t0:t1] = lse[t0:t1] - sz / s
         logp = torch.where(valid, sel - lse, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.cfg = (inv_t, vocab_chunk, token_chunk)
+        ctx.cfg = (inv_t, vocab_chunk, token_chunk, cap)
         ctx.mark_non_differentiable(targets)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        inv_t, vocab_chunk, token_chunk = ctx.cfg
+        inv_t, vocab_chunk, token_chunk, cap = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -100,7 +104,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(V, v0 + vocab_chunk)
                 w = weight[v0:v1]
-                z = _tile(h, w, inv_t)  # [n, v]
+                z = _tile(h, w, inv_t, cap)  # [n, v]
+                # capped: d z / d (h @ w^T) = inv_t * (1 - tanh^2), tanh = z / (inv_t * cap)
+                slope = None if cap is None else 1 - (z / (inv_t * cap)).square_()
                 p = torch.exp(z - l)
                 # dL/dz = gl * (onehot - p) - ge * p * (z - lse + H)
                 dz = z.sub_(l).add_(H).mul_(ge).add_(gl).mul_(p).neg_()
@@ -111,20 +117,26 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     dz[rows, y[rows] - v0] += gl[rows, 0]
                 if inv_t != 1.0:
                     dz.mul_(inv_t)
+                if slope is not None:
+                    dz.mul_(slope)
+                    del slope
                 if need_h:
                     grad_h[t0:t1].addmm_(dz, w.float())
                 if need_w:
                     grad_w[v0:v1].addmm_(dz.t(), h.float())
                 del dz
         return (grad_h.to(hidden.dtype) if need_h else None,
-                grad_w.to(weight.dtype) if need_w else None, None, None, None, None)
+                grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                    temperature: float = 1.0, with_entropy: bool = False,
-                   vocab_chunk: int = VOCAB_CHUNK, token_chunk: int = TOKEN_CHUNK):
+                   vocab_chunk: int = VOCAB_CHUNK, token_chunk: int = TOKEN_CHUNK,
+                   softcap: float | None = None):
     """Log-probability of each target token (and the entropy of each next-token distribution)
-    under ``softmax(hidden @ weight.T / temperature)``, computed tile by tile.
+    under ``softmax(hidden @ weight.T / temperature)``, computed tile by tile; with
+    ``softcap`` the logits are ``softcap * tanh(hidden @ weight.T / softcap)`` first (Gemma's
+    ``final_logit_softcapping``: ``model.config.final_softcap``, as ``Decoder.head``).
 
     Args:
         hidden: [..., H] final normed hidden states (``model(..., return_hidden=True)``).
@@ -153,7 +165,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if y.numel() and int(y.max()) >= weight.shape[0]:
         raise OrbitError(f"target id {int(y.max())} >= vocab size {weight.shape[0]}")
     logp, ent = _ChunkedLogprobs.apply(h, weight, y, 1.0 / temperature, vocab_chunk,
-                                       token_chunk)
+                                       token_chunk, softcap)
     logp, ent = logp.view(lead), ent.view(lead)
     return (logp, ent) if with_entropy else logp
 
@@ -175,12 +187,17 @@ def model_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, *,
     hidden = model(input_ids, positions=positions, seq_ids=seq_ids, return_hidden=True)
     return token_logprobs(hidden, model.lm_head.weight, targets, temperature=temperature,
                           with_entropy=with_entropy, vocab_chunk=vocab_chunk,
-                          token_chunk=token_chunk)
+                          token_chunk=token_chunk,
+                          softcap=getattr(model.config, "final_softcap", None))
 
 
-def naive_token_logprobs(hidden, weight, targets, temperature: float = 1.0):
+def naive_token_logprobs(hidden, weight, targets, temperature: float = 1.0,
+                         softcap: float | None = None):
     """Reference path that materialises [N, V] logits (for tests and the benchmark)."""
-    z = (hidden.float() @ weight.float().t()) / temperature
+    z = hidden.float() @ weight.float().t()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    z = z / temperature
     lp_all = torch.log_softmax(z, dim=-1)
     y = targets.long()
     logp = lp_all.gather(-1, y.clamp(min=0)[..., None])[..., 0]
