@@ -140,7 +140,10 @@ def test_tiers_train_as_resident_and_prefetch():
     and its layers arrive prefetched."""
     runs = {}
     for tiers in (0, 1):
-        tr = make("train.mode=full", f"train.tiers={tiers}", "algo.check=true")
+        # (the resident run's rollouts would run on packed weights, which the tiered run's
+        # hooks rule out: the same GEMMs on both sides)
+        tr = make("train.mode=full", f"train.tiers={tiers}", "algo.check=true",
+                  "rollout.packed_weights=off")
         rows = [tr.step() for _ in range(2)]
         runs[tiers] = (tr, rows)
     (tr0, rows0), (tr1, rows1) = runs[0], runs[1]

@@ -105,7 +105,9 @@ class Engine:
             batches while the weights do not change); 0 turns them off. With them, the
             engine's attention runs in fp32 (fp64 buys bit-equality with the trainer's
             logprobs only with the trainer's GEMMs) and the sampler keeps its [B, V]
-            buffers between steps. An RL run's rollout engine passes 0.
+            buffers between steps. An RL run's rollout engine passes the budget
+            ``rollout.packed_weights`` gives (rl/rollout.py ``packed_budget``) and frees
+            the copies after each rollout (``release_packed``).
         attention_backend: paged attention: "triton" (the kernels of attention_kernels.py,
             reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
             + SDPA: the reference; on a CPU fp64 with the trainer's GEMMs, fp32 with packed
@@ -321,6 +323,12 @@ class Engine:
         self.decode_runner.begin(*_adapter_signature(self.model))
         self.packed.reset()
 
+    def release_packed(self) -> None:
+        """Free the packed weight copies and the sampler's kept buffer (remade by the next
+        ``generate``): an RL run holds them for its rollout phase only."""
+        self.packed.reset(keep=False)
+        self._work = None
+
     def weights_changed(self, recompute: bool) -> int:
         """The weights were replaced between two steps. Cached prefixes are stale; with
         ``recompute`` every unfinished sample drops its KV and is re-prefilled (prompt and
@@ -483,8 +491,8 @@ class Engine:
     def _sample_work(self, numel: int) -> torch.Tensor | None:
         """The sampler's [B, V] intermediates, kept between steps (a fresh tensor pays its
         page faults at every step on a CPU): with the CPU fast path only (the engine's
-        packed weights, ``packed_bytes`` > 0; an RL rollout engine keeps to what the memory
-        ledger prices), up to SAMPLE_WORK_BYTES; grown as needed, held by the engine."""
+        packed weights, ``packed_bytes`` > 0), up to SAMPLE_WORK_BYTES; grown as needed,
+        held by the engine until ``release_packed``."""
         if not self.packed.mods or numel * 4 > self.SAMPLE_WORK_BYTES:
             return None
         if self._work is None or self._work.numel() < numel:

@@ -27,9 +27,12 @@ optimizer step) is seen from the next ``generate`` on, and an unchanged model is
 once, not at every batch (packing 156 MB took 0.1-0.4 s on one core, most of it
 first-touch page faults). ``Engine.weights_changed`` drops every copy.
 
-Memory: one packed copy of those weights, held by the engine, only when they fit the budget
-(``Engine(packed_bytes=...)``, 1 GiB by default; an RL run's rollout engine packs nothing,
-because the memory ledger does not price the copy). Nothing is packed while the model has
+Memory: one packed copy of those weights, held by the engine, for the units that fit the
+budget (``Engine(packed_bytes=...)``, 1 GiB by default; taken in turn, the rest run through
+``F.linear``). An RL run's rollout engine gets the budget ``rollout.packed_weights`` sets
+(``rl/rollout.py packed_budget``: by default what the rollout phase leaves below the
+predicted training peak), the ledger prices the copy in the rollout phase, and the run
+frees it after each rollout (``Engine.release_packed``). Nothing is packed while the model has
 forward hooks (layer tiers and sharding swap weights in through them), for weights made
 under ``torch.inference_mode``, or for calls that need gradients; any other thread gets
 ``F.linear`` as before.
@@ -63,6 +66,11 @@ def _candidates(model: nn.Module) -> list[nn.Linear]:
     return out
 
 
+def packable_bytes(model: nn.Module) -> int:
+    """Bytes the packed copies of every candidate weight would hold (fp32)."""
+    return sum(m.weight.numel() * 4 for m in _candidates(model)) if available() else 0
+
+
 # sibling projections that a forward calls one after another on the same input: packed as
 # one weight, one GEMM for the group (the first member's call computes all of them)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -85,8 +93,9 @@ def _units(model: nn.Module, mods: list[nn.Linear]) -> list[tuple[nn.Linear, ...
 
 class PackedLinears:
     """Context manager over a model's fp32 ``nn.Linear`` modules on a CPU (see the module
-    docstring). ``budget_bytes``: pack only if all of them take at most this; 0 turns it
-    off. ``bytes``: what the packed copies hold now."""
+    docstring). ``budget_bytes``: the packing units are taken in turn while their
+    weights fit it (the rest run through ``F.linear``); 0 turns it off. ``bytes``:
+    what the packed copies hold now; ``planned_bytes``: what they hold when all are made."""
 
     # the batch the weight layout is tuned for (any row count runs): interleaved timings of
     # the benchmark model's GEMMs at 3-4 rows gave 10.2 and 9.6 ms with 64 against 11.4 and
@@ -102,9 +111,18 @@ class PackedLinears:
     def __init__(self, model: nn.Module, budget_bytes: int):
         self.model = model
         mods = _candidates(model) if budget_bytes > 0 and available() else []
-        size = sum(m.weight.numel() * 4 for m in mods)
-        self.mods = mods if size <= budget_bytes else []
-        self.units = _units(model, self.mods)
+        # the units in turn (fused groups first) while they fit the budget (a decode step
+        # streams every weight once, so each byte packed saves about the same time)
+        self.units, size = [], 0
+        for unit in _units(model, mods):
+            nbytes = sum(m.weight.numel() * 4 for m in unit)
+            if size + nbytes > budget_bytes:
+                break
+            self.units.append(unit)
+            size += nbytes
+        kept = {id(m) for unit in self.units for m in unit}
+        self.mods = [m for m in mods if id(m) in kept]  # (in the model's order)
+        self.planned_bytes = size  # what the copies hold once every unit is packed
         self._unit_of = {id(u): u for u in self.units}
         self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
                           for i, m in enumerate(unit)]  # made once

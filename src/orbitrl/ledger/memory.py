@@ -278,9 +278,16 @@ def forward_bytes(shape: ModelShape, tokens: int, tp: int = 1, elem: int = 2) ->
     return elem * tokens * layer_activation_elems(shape) // tp
 
 
+# the chunked logprob's tile (train/logprobs.py VOCAB_CHUNK; tests/ledger check they agree)
+LOGIT_VOCAB_CHUNK = 8192
+
+
 def logits_bytes(shape: ModelShape, tokens: int, chunk: int, grad: bool) -> int:
-    """fp32 logits of one chunk of tokens (and their gradient when training)."""
-    return min(tokens, chunk) * shape.vocab * 4 * (2 if grad else 1)
+    """The chunked logprob's fp32 work (train/logprobs.py): it never holds the [tokens,
+    vocab] logits, only a (``chunk`` tokens x 8192 vocabulary) tile at a time and, when
+    training, one more of its size (the tile's softmax in backward; a third lives only
+    for a moment)."""
+    return min(tokens, chunk) * min(shape.vocab, LOGIT_VOCAB_CHUNK) * 4 * (2 if grad else 1)
 
 
 def kv_block_bytes(shape: ModelShape, kv_dtype: str, block_size: int = 16) -> int:

@@ -294,4 +294,5 @@ def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1,
                               kv_blocks=engine.pool.num_blocks,
                               device=torch.device(model.device).type,
                               recompute=bool(getattr(model, "recompute", False)),
-                              devices=devices, workers=workers)
+                              devices=devices, workers=workers,
+                              packed_bytes=engine.packed.planned_bytes)

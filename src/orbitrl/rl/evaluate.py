@@ -107,9 +107,12 @@ class Evaluator:
         if progress:
             print(f"{label}: {len(prompts)} requests, {sum(p.n for p in params)} samples",
                   file=sys.stderr, flush=True)
-        with self.weights():
-            outs = self.engine.generate([Request(prompt_ids=p) for p in prompts], params,
-                                        progress=progress)
+        try:
+            with self.weights():
+                outs = self.engine.generate([Request(prompt_ids=p) for p in prompts], params,
+                                            progress=progress)
+        finally:
+            self.engine.release_packed()  # a run's engine holds them for a rollout only
         texts = []
         for o in outs:
             if o.error is not None:

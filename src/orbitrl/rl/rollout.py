@@ -14,8 +14,10 @@ from typing import Callable
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.engine.governor import available_memory
+from orbitrl.engine.packed import packable_bytes
 from orbitrl.errors import OrbitError
-from orbitrl.ledger.runtime import engine_kv_dtype, kv_pool_for_run
+from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
+                                    runtime_prediction)
 from orbitrl.observe.memory import tensor_bytes
 from orbitrl.rl.types import Rollout, Sample
 
@@ -130,6 +132,7 @@ class Rollouts:
                 gen_tokens = self.engine.stats["generated_tokens"] - gen0
         finally:
             self.engine.memory_hook = self.governor
+            self.engine.release_packed()  # priced for the rollout phase only (packed_budget)
         return Rollout(samples=samples, gen_tokens=gen_tokens,
                        watchdog=self.engine.stats.get("watchdog_events", 0) - wd0,
                        timeline=list(self.engine.timeline), data_after=data_after,
@@ -170,11 +173,43 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
                                resident=tensor_bytes(model, reference, device=device),
                                device=device.type, devices=devices)
         budget = plan["blocks"] * bb
-    # no oneDNN-packed copies of plain fp32 projections (engine/packed.py) in a run: the
-    # memory ledger does not price them (an fp32 base would hold its weights twice), and in
-    # full mode they would be remade after every step
+    packed = packed_budget(cfg, model, prompt_len, budget // kv_block_bytes(
+        model, kv_dtype, r.block_size), device, devices)
     engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
-                    block_size=r.block_size, seed=cfg.train.seed, packed_bytes=0)
+                    block_size=r.block_size, seed=cfg.train.seed, packed_bytes=packed)
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan
+
+
+def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: int) -> int:
+    """Bytes of oneDNN-packed weight copies (engine/packed.py) the rollout engine may make
+    (``rollout.packed_weights``). They live for one rollout (``Rollouts`` frees them after
+    it), so the ledger prices them in the rollout phase only (and oneDNN's state, kept after
+    them, in every phase): ``auto`` takes what the predicted rollout phase leaves below the
+    predicted training peak, so the copies never raise the run's peak (oneDNN's state does,
+    by ``PACKED_RUNTIME_BYTES``), when that is at least ``PACKED_MIN_BYTES``; only for a colocated run in one process on a CPU (with the
+    rollout beside training, or on rollout ranks that sync weights, the copies would sit
+    beside training's memory or be remade at every sync)."""
+    mode = cfg.rollout.packed_weights
+    packable = packable_bytes(model) if device.type == "cpu" else 0
+    if mode == "off" or not packable:
+        return 0
+    if mode == "on":
+        return packable
+    if cfg.rollout.overlap or cfg.schedule.shape != "colocated" or devices > 1 or \
+            packable < PACKED_MIN_BYTES:
+        return 0
+    pred = runtime_prediction(cfg, model.config.hf, prompt_len, kv_blocks=kv_blocks,
+                              device=device.type,
+                              recompute=bool(getattr(model, "recompute", False)),
+                              devices=devices)
+    left = pred["train"] - pred["rollout"]  # (oneDNN's state is in both)
+    return min(packable, left) if left >= PACKED_MIN_BYTES else 0
+
+
+# auto packs a model whose copies would take at least this: 8x the state oneDNN keeps
+# afterwards (ledger/runtime.py PACKED_RUNTIME_BYTES), so that state stays small beside what
+# packing buys (a few-row GEMM streams its weight 2-3x faster packed, engine/packed.py);
+# below it, as for the built-in models, the rollout runs on the trainer's GEMMs, bit-equal
+PACKED_MIN_BYTES = 8 * PACKED_RUNTIME_BYTES

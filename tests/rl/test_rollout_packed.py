@@ -1,0 +1,97 @@
+"""Training rollouts on the engine's packed CPU path (``rollout.packed_weights``): the ledger
+prices the copies in the rollout phase, ``auto`` takes what the rollout phase leaves below
+the training peak, the step's rollout runs through the packed GEMMs and frees them after,
+and the rollout/trainer logprob gap stays at fp32 rounding."""
+
+import pytest
+
+from orbitrl.config import load_config
+from orbitrl.engine.packed import available, packable_bytes
+from orbitrl.ledger import runtime
+from orbitrl.rl import rollout as rollout_mod
+from trainer_helpers import make_trainer
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
+
+SMALL = ["rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=6",
+         "data.heldout_size=4", "model.base_dtype=fp32", "model.device=cpu"]
+SMOL = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+            max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def test_the_ledger_prices_the_copies_in_the_rollout_phase_only():
+    cfg = load_config(None, ["model.path=x", "rollout.n=8", "rollout.prompts_per_step=4",
+                             "rollout.max_tokens=16", "model.base_dtype=fp32"])
+    plain = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64)
+    packed = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64, packed_bytes=123456789)
+    state = runtime.PACKED_RUNTIME_BYTES  # oneDNN's, kept after the copies: every phase
+    assert packed["rollout"] - plain["rollout"] == 123456789 + state
+    assert packed["terms"]["rollout"]["actor:packed_copy"] == 123456789
+    for phase in ("score", "train"):
+        assert packed[phase] == plain[phase] + state
+
+
+@pytest.mark.parametrize("mode", ["adapter", "full"])
+def test_a_training_rollout_runs_packed_and_frees_the_copies(mode, monkeypatch):
+    made = []
+    real_engine = rollout_mod.Engine
+
+    def spy(*a, **kw):
+        made.append(real_engine(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(rollout_mod, "Engine", spy)
+    tr = make_trainer(*SMALL, f"train.mode={mode}", "rollout.packed_weights=on")
+    engine = made[0]
+    assert engine is tr.engine
+    want = packable_bytes(tr.policy.model)
+    assert want > 0 and engine.packed.planned_bytes == want
+    seconds = []
+    real_generate = engine.generate
+
+    def generate(*a, **kw):  # the packed path is what the step's rollout runs
+        out = real_generate(*a, **kw)
+        seconds.append((engine.packed.bytes, engine.packed.seconds))
+        return out
+
+    engine.generate = generate
+    row = tr.step()
+    assert seconds and seconds[-1][0] == want and seconds[-1][1] > 0
+    assert engine.packed.bytes == 0  # freed after the rollout: not in the train phase
+    assert 0 < row["logprob_mismatch_max"] <= 1e-5  # oneDNN's GEMMs, fp32 attention
+    assert tr.mem.prediction["terms"]["rollout"]["actor:packed_copy"] == want
+
+
+def _prompt_len(tr) -> int:
+    """The longest prompt as the trainer measured it (rl/trainer.py)."""
+    return max(len(tr.encode(x[tr.cfg.data.prompt_field])) for x in tr.data.rows[:256])
+
+
+def test_auto_packs_what_the_rollout_phase_leaves_below_the_training_peak(monkeypatch):
+    small = make_trainer(*SMALL, "train.mode=full")  # rollout.packed_weights: auto
+    assert packable_bytes(small.policy.model) < rollout_mod.PACKED_MIN_BYTES
+    assert small.engine.packed.planned_bytes == 0  # the built-in model: too small to pack
+    monkeypatch.setattr(rollout_mod, "PACKED_MIN_BYTES", 1)  # as if it were large
+    tr = make_trainer(*SMALL, "train.mode=full")
+    model, cfg, blocks = tr.policy.model, tr.cfg, tr.engine.pool.num_blocks
+    planned = tr.engine.packed.planned_bytes
+    assert planned > 0
+    pred = tr.mem.prediction  # the run's own prediction, copies included
+    assert pred["terms"]["rollout"]["actor:packed_copy"] == planned
+    assert pred["rollout"] <= pred["train"] == pred["peak"]  # the copies never raise it
+    prompt_len = _prompt_len(tr)
+    plain = runtime.runtime_prediction(cfg, model.config.hf, prompt_len, kv_blocks=blocks,
+                                       device="cpu", recompute=bool(model.recompute))
+    budget = rollout_mod.packed_budget(cfg, model, prompt_len, blocks, tr.device, 1)
+    assert budget == min(packable_bytes(model), plain["train"] - plain["rollout"])
+    assert planned <= budget
+    # a budget smaller than the whole model packs the units that fit, in turn
+    monkeypatch.setattr(rollout_mod, "runtime_prediction", lambda *a, **kw: {
+        "train": plain["rollout"] + packable_bytes(model) // 2, "rollout": plain["rollout"]})
+    assert rollout_mod.packed_budget(cfg, model, prompt_len, blocks, tr.device, 1) == \
+        packable_bytes(model) // 2
+    # beside training (overlap) and with off: none
+    for sets in (["rollout.overlap=true"], ["rollout.packed_weights=off"]):
+        c = load_config(None, SMALL + sets)
+        assert rollout_mod.packed_budget(c, model, prompt_len, blocks, tr.device, 1) == 0
