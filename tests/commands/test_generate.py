@@ -125,3 +125,19 @@ def test_cli_packed_budget(model_dir, tmp_path, capsys):
                  str(tmp_path / "bad.jsonl"), "--packed-mb", "-1"]) == 2
     assert "--packed-mb -1: must be 0 or more" in capsys.readouterr().err
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_the_kv_pool_is_sized_to_the_job(model_dir, tmp_path, capsys):
+    """Without --kv-budget-mb the pool holds every sample's prompt and cap (whole blocks,
+    one more each for a shared prompt's copy on write), not the engine's default for any
+    job (on a CPU its pages are all touched); --kv-budget-mb still wins."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [{"prompt_ids": [5] * 20}, {"prompt_ids": [6] * 3, "max_tokens": 40}])
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                 str(out), "--n", "4", "--max-tokens", "12", "--no-progress"]) == 0
+    # 4 x (ceil(32 / 16) + 1) + 4 x (ceil(43 / 16) + 1) = 12 + 16 blocks
+    assert "KV blocks used" in (err := capsys.readouterr().err) and "/28 " in err
+    assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
+                 str(out), "--n", "4", "--max-tokens", "12", "--no-progress",
+                 "--kv-budget-mb", "1"]) == 0
+    assert "/28 " not in capsys.readouterr().err
