@@ -146,3 +146,25 @@ def test_shared_prompt_gradients_match_one_copy_per_sample():
     for g1, g2 in zip(*grads):  # float sums in another order: relative to the whole tensor
         assert float((g1 - g2).norm() / g2.norm()) < 1e-5
     assert sum(float(g.abs().sum()) for g in grads[0]) > 0
+
+
+def test_micro_batches_count_the_padded_positions_pack_computes():
+    """A micro-batch's rows x row length stays within the budget (what the memory ledger
+    prices as its tokens), padding included; counting sample tokens alone let three short
+    samples into a budget that two rows of the longest fill."""
+    from orbitrl.rl.batch import micro_batches, positions
+
+    s = _samples(40, seed=3)
+    for budget in (24, 40, 64, 100):
+        groups = micro_batches(s, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(s)))  # in order, all
+        for g in groups:
+            b = pack([s[i] for i in g], "cpu")
+            assert positions([s[i] for i in g]) == b.input_ids.numel()
+            assert b.input_ids.numel() <= budget or len(g) == 1
+    # the case that overflowed: rows padded to the longest sample (each its own row)
+    long = [Sample(0, [5] * 40, [6] * 23, [-1.0] * 23, "length", ""),
+            Sample(1, [7] * 40, [6] * 20, [-1.0] * 20, "length", ""),
+            Sample(2, [8] * 40, [6] * 16, [-1.0] * 16, "length", "")]
+    assert sum(len(x.prompt_ids) + len(x.completion_ids) for x in long) == 179
+    assert positions(long) == 3 * 63 and micro_batches(long, 180) == [[0, 1], [2]]

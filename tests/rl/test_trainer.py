@@ -426,5 +426,7 @@ def test_full_mode_reuses_the_forward_only_when_the_step_is_one_micro_batch(monk
     for ra, rb in zip(rows_a, rows_b):
         for k in ("reward_mean", "grad_norm", "ratio_mean", "pg_loss"):
             assert ra[k] == rb[k], k
-    _, _, n_c = run("train.micro_batch_tokens=64")  # several micro-batches: the pass runs
+    # several micro-batches: the pass runs (a group's prompt is laid out once: 22 positions
+    # per group of 4, so 24 positions hold one group)
+    _, _, n_c = run("train.micro_batch_tokens=24")
     assert n_c >= 4  # (one call per micro-batch, two steps)

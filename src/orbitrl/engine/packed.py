@@ -123,6 +123,11 @@ class PackedLinears:
         kept = {id(m) for unit in self.units for m in unit}
         self.mods = [m for m in mods if id(m) in kept]  # (in the model's order)
         self.planned_bytes = size  # what the copies hold once every unit is packed
+        # the largest staging copy while a unit is reordered: a group's concatenated weight
+        # or a column-major weight made contiguous (oneDNN reorders from row-major)
+        self.workspace_bytes = max((sum(m.weight.numel() * 4 for m in u) for u in self.units
+                                    if len(u) > 1 or not u[0].weight.is_contiguous()),
+                                   default=0)
         self._unit_of = {id(u): u for u in self.units}
         self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
                           for i, m in enumerate(unit)]  # made once

@@ -228,7 +228,8 @@ PACKED_RUNTIME_BYTES = 32 << 20
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
                        device: str = "cpu", recompute: bool = False, devices: int = 1,
-                       workers: int = 1, packed_bytes: int = 0) -> dict:
+                       workers: int = 1, packed_bytes: int = 0,
+                       packing_workspace: int = 0) -> dict:
     """The ledger's per-phase peak bytes for one orbitrl run (``orbitrl.config.Config``) on
     one device (one rank of ``devices``), its KV pool as the engine allocated it.
 
@@ -246,7 +247,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
 
     ``packed_bytes``: the rollout engine's oneDNN-packed weight copies
     (``rollout.packed_weights``, engine/packed.py), made for each rollout and freed after
-    it: a rollout-phase term, and ``PACKED_RUNTIME_BYTES`` in every phase.
+    it, with ``packing_workspace`` (the largest unit's staging while it is packed): a
+    rollout-phase term, and ``PACKED_RUNTIME_BYTES`` in every phase.
 
     Returns:
         ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
@@ -259,7 +261,9 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     host = terms.pop("host")
     _runtime_terms(terms, host, shape, spec)
     if packed_bytes:
-        terms["rollout"]["actor:packed_copy"] = int(packed_bytes)
+        # the copies, and the largest unit's contiguous fp32 staging while it is reordered
+        # (a column-major head or a concatenated q/k/v group: engine/packed.py)
+        terms["rollout"]["actor:packed_copy"] = int(packed_bytes + packing_workspace)
         for ph in terms.values():  # oneDNN's state, kept from the first rollout on
             ph["actor:packed_runtime"] = PACKED_RUNTIME_BYTES
     if spec.devices > 1:
@@ -326,10 +330,17 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         # one process, the update fused into backward per parameter (not per gathered
         # layer): the largest trained tensor's gradient plus the update's temporaries of its
         # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy and then g^2 or
-        # the update u, one at a time)
+        # the update u, one at a time). A tied embedding is that tensor's last gradient
+        # (the embedding's backward ends the pass): its head gradient is held through the
+        # backward beside the saved activations, and its update runs after they are freed
         terms["train"].pop("actor:layer_grad", None)
-        terms["train"]["actor:update_workspace"] = int(
-            update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype])
+        big = largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
+        update = update_copies(opt) * big
+        if shape.tie_embeddings and shape.vocab * shape.hidden >= largest_tensor_params(shape):
+            live = terms["train"].get("activations:saved", 0) + \
+                terms["train"].get("activations:logits", 0)
+            update = max(big, update - live)
+        terms["train"]["actor:update_workspace"] = int(update)
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in
     # backward): the workspace of the largest projection is live on top of everything else,
     # unless all of them fit model.dequant_cache_mb in the compute dtype: then each is kept

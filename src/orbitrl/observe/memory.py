@@ -295,4 +295,5 @@ def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1,
                               device=torch.device(model.device).type,
                               recompute=bool(getattr(model, "recompute", False)),
                               devices=devices, workers=workers,
-                              packed_bytes=engine.packed.planned_bytes)
+                              packed_bytes=engine.packed.planned_bytes,
+                              packing_workspace=engine.packed.workspace_bytes)

@@ -40,7 +40,8 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
     cfg = model.config
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     longest = max(len(p) for p in prompts) + max_tokens + 16
-    # packed_bytes=0: the path a run's rollout engine takes (rl/rollout.py)
+    # packed_bytes=0: the trainer's GEMMs (a run's rollout engine packs its weights only
+    # with rollout.packed_weights on, or auto on a large enough model: rl/rollout.py)
     engine = Engine(model, tok, max_num_seqs=1, packed_bytes=0,
                     kv_budget_bytes=longest * kv_bytes_per_token(
                         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))

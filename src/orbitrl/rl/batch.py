@@ -146,20 +146,31 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
 
 
 def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
-    """Indices of samples grouped so each group's sample tokens (prompt + completion, not
-    counting the padding ``pack`` adds to fill its rows) stay under max_tokens; a group
-    computes at most its rows x row length, up to about twice that."""
-    groups, cur, n = [], [], 0
-    for i, s in enumerate(samples):
-        L = len(s.prompt_ids) + len(s.completion_ids)
-        if cur and n + L > max_tokens:
+    """Indices of samples grouped so that each group's positions as ``pack`` lays them out
+    (its rows x row length, padding included: what the forward computes and keeps for
+    backward) stay within max_tokens; a sample longer than that is a group alone. Counting
+    sample tokens alone let short samples fill a group to about twice the positions the
+    memory ledger prices (rows padded to the longest: 3 samples of 179 tokens in 3 x 63)."""
+    groups, cur = [], []
+    for i in range(len(samples)):
+        if cur and positions([samples[j] for j in cur + [i]]) > max_tokens:
             groups.append(cur)
-            cur, n = [], 0
+            cur = []
         cur.append(i)
-        n += L
     if cur:
         groups.append(cur)
     return groups
+
+
+def positions(samples: list[Sample], row_tokens: int = ROW_TOKENS,
+              share_prompts: bool = True) -> int:
+    """Rows x row length of ``pack(samples)``: the positions its forward computes."""
+    width = max(max(len(s.prompt_ids) + len(s.completion_ids) for s in samples), row_tokens)
+    units = _units(samples, width, share_prompts)
+    ulens = [len(samples[u[0]].prompt_ids) + sum(len(samples[b].completion_ids) for b in u)
+             for u in units]
+    where = _rows(ulens, width)
+    return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, ulens))
 
 
 def score(model: Decoder, batch: PackedBatch, temperature: float = 1.0,

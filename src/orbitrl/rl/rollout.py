@@ -14,7 +14,7 @@ from typing import Callable
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.engine.governor import available_memory
-from orbitrl.engine.packed import packable_bytes
+from orbitrl.engine.packed import PackedLinears, packable_bytes
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
                                     runtime_prediction)
@@ -204,7 +204,8 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
                               device=device.type,
                               recompute=bool(getattr(model, "recompute", False)),
                               devices=devices)
-    left = pred["train"] - pred["rollout"]  # (oneDNN's state is in both)
+    # (oneDNN's state is in both phases; the staging of one unit only in the rollout)
+    left = pred["train"] - pred["rollout"] - PackedLinears(model, packable).workspace_bytes
     return min(packable, left) if left >= PACKED_MIN_BYTES else 0
 
 
