@@ -26,11 +26,13 @@ The limit (real workload): a token costs 2 x the model's weights in FLOPs (the m
 attention over at most 120 positions and the sampler add under 2%), and this machine's
 fastest fp32 GEMM (oneDNN over prepacked weights, on one decode step's shapes at 64 rows,
 measured here) runs them at the printed rate; the tokens a system generated x FLOPs per
-token / that rate is the least time any implementation of this model in fp32 here needs
-for them. transformers' padded ``generate`` also computes the rows that finished (every
-row runs until the longest is done), which its useful tokens do not count. Tokens: the real workload's systems sample different tokens (their own generators),
-so each reports the tokens it generated and the ratio is of the whole processes' seconds;
-on the tail workload both generate the same lengths.
+token / that rate is the time those matmuls alone take at it (smaller batches run slower
+than 64 rows, so a real run's floor lies above it). transformers' padded ``generate`` also computes the rows that finished (every
+row runs until the longest is done), which its useful tokens do not count.
+
+Tokens: the real workload's systems sample different tokens (their own generators), so each
+reports the tokens it generated and the ratio is of the whole processes' seconds; on the
+tail workload both generate the same lengths.
 
     python benchmarks/bench_rollout_process.py --model /tmp/smollm2      # about 6 minutes
     python benchmarks/bench_rollout_process.py --model /tmp/smollm2 --rounds 5 --threads 2

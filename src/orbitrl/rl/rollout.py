@@ -187,10 +187,11 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
     (``rollout.packed_weights``). They live for one rollout (``Rollouts`` frees them after
     it), so the ledger prices them in the rollout phase only (and oneDNN's state, kept after
     them, in every phase): ``auto`` takes what the predicted rollout phase leaves below the
-    predicted training peak, so the copies never raise the run's peak (oneDNN's state does,
-    by ``PACKED_RUNTIME_BYTES``), when that is at least ``PACKED_MIN_BYTES``; only for a colocated run in one process on a CPU (with the
-    rollout beside training, or on rollout ranks that sync weights, the copies would sit
-    beside training's memory or be remade at every sync)."""
+    predicted training peak (less one unit's staging), so the copies never raise the run's
+    peak (oneDNN's state does, by ``PACKED_RUNTIME_BYTES``), when that is at least
+    ``PACKED_MIN_BYTES``; only for a colocated run in one process on a CPU (with the rollout
+    beside training, or on rollout ranks that sync weights, the copies would sit beside
+    training's memory or be remade at every sync)."""
     mode = cfg.rollout.packed_weights
     packable = packable_bytes(model) if device.type == "cpu" else 0
     if mode == "off" or not packable:
