@@ -48,3 +48,20 @@ def chat_tokenizer():
     return tok
 
 
+
+
+def builtin_with_template(d, template: str | None):
+    """A copy of the built-in model at ``d`` with ``template`` as its chat template (None:
+    no template at all); returns ``d``."""
+    import shutil
+    from pathlib import Path
+
+    from orbitrl.model.builtin import resolve_model_path
+
+    d = Path(d)
+    shutil.copytree(resolve_model_path("builtin:tiny-arith"), d)
+    if template is None:
+        (d / "chat_template.jinja").unlink()
+    else:
+        (d / "chat_template.jinja").write_text(template)
+    return d

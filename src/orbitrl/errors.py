@@ -10,3 +10,10 @@ class OrbitError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): how a
+    library's error is quoted inside an OrbitError."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -2,7 +2,6 @@
 generate, whatever type transformers' ``apply_chat_template`` returns."""
 
 import json
-import shutil
 
 import pytest
 
@@ -10,6 +9,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.model import load_tokenizer
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.tokenizer import encode_prompt
+from chat_helpers import builtin_with_template
 
 # role markers and a generation prompt, as real chat templates have (the built-in one only
 # concatenates the contents, which hides what the template adds)
@@ -21,10 +21,7 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """The built-in model with a chat template that adds role markers."""
-    d = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(resolve_model_path("builtin:tiny-arith"), d)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    return d
+    return builtin_with_template(tmp_path_factory.mktemp("chat") / "model", TEMPLATE)
 
 
 def test_chat_prompt_is_a_flat_list_of_template_ids(chat_model):
@@ -51,9 +48,7 @@ def test_every_return_type_of_apply_chat_template(returns):
 
 
 def test_tokenizer_without_template_is_one_line_error(tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(resolve_model_path("builtin:tiny-arith"), d)
-    (d / "chat_template.jinja").unlink()
+    d = builtin_with_template(tmp_path / "m", None)
     with pytest.raises(OrbitError, match="no chat template"):
         encode_prompt(load_tokenizer(d), "1+1=", chat_template=True)
 

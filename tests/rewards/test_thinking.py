@@ -2,17 +2,16 @@
 the format rewards see the whole completion, and the chat template gets a system turn and
 the ``enable_thinking`` switch (``data.system_prompt``, ``data.enable_thinking``)."""
 
-import shutil
 from types import SimpleNamespace
 
 import pytest
 
 from orbitrl.config import load_config
 from orbitrl.model import load_tokenizer
-from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.tokenizer import prompt_encoder
 from orbitrl.rewards import RewardRunner, RewardSource
 from orbitrl.rewards.runner import reply_after_thinking
+from chat_helpers import builtin_with_template
 
 
 @pytest.mark.parametrize("text,reply", [
@@ -65,10 +64,8 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("think") / "model"
-    shutil.copytree(resolve_model_path("builtin:tiny-arith"), d)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    return load_tokenizer(d)
+    return load_tokenizer(builtin_with_template(tmp_path_factory.mktemp("think") / "model",
+                                                TEMPLATE))
 
 
 @pytest.mark.parametrize("system,thinking,want", [

@@ -47,17 +47,22 @@ def test_a_training_rollout_runs_packed_and_frees_the_copies(mode, monkeypatch):
     assert engine is tr.engine
     want = packable_bytes(tr.policy.model)
     assert want > 0 and engine.packed.planned_bytes == want
-    seconds = []
-    real_generate = engine.generate
+    held, served = [], set()
+    real_generate, real_packed = engine.generate, engine.packed.packed
 
     def generate(*a, **kw):  # the packed path is what the step's rollout runs
         out = real_generate(*a, **kw)
-        seconds.append((engine.packed.bytes, engine.packed.seconds))
+        held.append(engine.packed.bytes)
         return out
 
-    engine.generate = generate
+    def packed(unit):  # a projection's GEMM asks for its unit's packed copy
+        served.add(id(unit))
+        return real_packed(unit)
+
+    engine.generate, engine.packed.packed = generate, packed
     row = tr.step()
-    assert seconds and seconds[-1][0] == want and seconds[-1][1] > 0
+    assert held and held[-1] == want  # every copy made in the rollout
+    assert served == {id(u) for u in engine.packed.units}  # and every unit's GEMM ran on it
     assert engine.packed.bytes == 0  # freed after the rollout: not in the train phase
     assert 0 < row["logprob_mismatch_max"] <= 1e-5  # oneDNN's GEMMs, fp32 attention
     # the copies and one unit's staging while it is packed (the built-in model's fused

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from orbitrl.commands._common import add_config_args, config_from_args
-from orbitrl.errors import OrbitError
+from orbitrl.errors import OrbitError, first_line
 
 
 def add_arguments(parser):
@@ -49,8 +49,7 @@ def run(args) -> int:
             raise
         # a peer died or hung: its collective failed here; nothing is saved now (that would
         # need the lost rank), the last complete checkpoint stays the resume point
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        first = first.rsplit("] ", 1)[-1][:200]  # gloo prefixes its source location
+        first = first_line(e).rsplit("] ", 1)[-1][:200]  # gloo prefixes its source location
         raise OrbitError(f"rank {dist.rank}/{dist.world}: lost another rank mid-step (it "
                          f"exited, or a collective waited past dist.timeout_s="
                          f"{dist.timeout_s:g}s): {first}; resume from the last checkpoint "

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.paged_attention import KVCache
-from orbitrl.engine.paged_common import auto_splits, dequantize
+from orbitrl.engine.paged_common import SOFTCAP_REFUSED, auto_splits, dequantize
 from orbitrl.engine.sampler import sample_rows, uniforms
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import decode_attention_exact, sdpa
@@ -133,19 +133,25 @@ def decode_attention(attend, q, cache: KVCache, layer: int, block_tables, contex
                   v_scale=vs, **kw)
 
 
-def default_attend(device, backend: str = "auto"):
+def default_attend(device, backend: str = "auto", softcap: bool = False):
     """The paged decode attention a runner on ``device`` uses: the Triton kernel for
     ``backend`` "triton" (or "auto" on CUDA with Triton installed), else
-    :class:`ReferencePagedDecode`."""
-    if resolve_backend(device, backend) == "triton":
+    :class:`ReferencePagedDecode` (``softcap``: see :func:`resolve_backend`)."""
+    if resolve_backend(device, backend, softcap) == "triton":
         return partial(kernels.paged_decode, backend="triton")
     return ReferencePagedDecode()
 
 
-def resolve_backend(device, backend: str) -> str:
-    """"auto" -> "triton" on CUDA when Triton is installed, else "torch"."""
+def resolve_backend(device, backend: str, softcap: bool = False) -> str:
+    """"auto" -> "triton" on CUDA when Triton is installed, else "torch". ``softcap``: the
+    model soft-caps its attention scores (Gemma 2), which the kernels cannot: "auto" is
+    "torch", "triton" is refused."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {backend!r}: choose 'auto', 'torch' or 'triton'")
+    if softcap and backend == "triton":
+        raise ValueError(SOFTCAP_REFUSED)
+    if softcap:
+        return "torch"
     if backend == "auto":
         return "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
     if backend == "triton" and not kernels.triton_available():
@@ -216,11 +222,11 @@ class DecodeRunner:
         cfg = model.config
         self.windows, self.scale = cfg.sliding_windows, cfg.attn_scale
         self.softcap = cfg.attn_softcap  # Gemma 2's attention soft-capping
-        self.attend = attend or default_attend(state.device, backend)
-        if self.softcap is not None and attend is None and \
-                not isinstance(self.attend, ReferencePagedDecode):
-            raise OrbitError("attention backend 'triton': the paged kernels have no attention "
-                             "soft-capping (config.json attn_logit_softcapping); use 'torch'")
+        try:
+            self.attend = attend or default_attend(state.device, backend,
+                                                   self.softcap is not None)
+        except ValueError as e:
+            raise OrbitError(str(e)) from None
         self.out = torch.zeros(state.capacity, 4, dtype=torch.float64, device=state.device)
         self._graphs: dict = {}
         self._sig = None

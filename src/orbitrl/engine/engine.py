@@ -152,13 +152,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, preempt,
                                    swap_out=self._swap_out)
         self.runner = ModelRunner(model, self.cache)
-        # paged attention: the Triton kernels on CUDA, gather + SDPA elsewhere (the reference);
-        # the kernels have no soft-capping, so a Gemma 2 model takes the reference ("auto")
-        # or is refused (an explicit "triton", by ModelRunner / DecodeRunner)
-        if attention_backend == "auto" and getattr(cfg, "attn_softcap", None) is not None:
-            attention_backend = "torch"
+        # paged attention: the Triton kernels on CUDA, gather + SDPA elsewhere (the reference,
+        # and the only one for soft-capped scores)
         try:
-            self.attention_backend = resolve_backend(device, attention_backend)
+            self.attention_backend = resolve_backend(device, attention_backend,
+                                                     cfg.attn_softcap is not None)
         except ValueError as e:
             raise OrbitError(str(e)) from None
         self.runner.backend = self.attention_backend

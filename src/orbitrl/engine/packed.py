@@ -66,9 +66,26 @@ def _candidates(model: nn.Module) -> list[nn.Linear]:
     return out
 
 
+def packing_units(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """Every packing unit of ``model`` (``FUSED`` groups first), none without oneDNN."""
+    return _units(model, _candidates(model)) if available() else []
+
+
+def unit_bytes(unit) -> int:
+    """Bytes of one unit's packed copy (fp32)."""
+    return sum(m.weight.numel() * 4 for m in unit)
+
+
 def packable_bytes(model: nn.Module) -> int:
     """Bytes the packed copies of every candidate weight would hold (fp32)."""
-    return sum(m.weight.numel() * 4 for m in _candidates(model)) if available() else 0
+    return sum(unit_bytes(u) for u in packing_units(model))
+
+
+def staging_bytes(units) -> int:
+    """The largest staging copy while a unit is reordered: a group's concatenated weight or
+    a column-major weight made contiguous (oneDNN reorders from row-major)."""
+    return max((unit_bytes(u) for u in units if len(u) > 1 or not u[0].weight.is_contiguous()),
+               default=0)
 
 
 # sibling projections that a forward calls one after another on the same input: packed as
@@ -115,19 +132,14 @@ class PackedLinears:
         # streams every weight once, so each byte packed saves about the same time)
         self.units, size = [], 0
         for unit in _units(model, mods):
-            nbytes = sum(m.weight.numel() * 4 for m in unit)
-            if size + nbytes > budget_bytes:
+            if size + unit_bytes(unit) > budget_bytes:
                 break
             self.units.append(unit)
-            size += nbytes
+            size += unit_bytes(unit)
         kept = {id(m) for unit in self.units for m in unit}
         self.mods = [m for m in mods if id(m) in kept]  # (in the model's order)
         self.planned_bytes = size  # what the copies hold once every unit is packed
-        # the largest staging copy while a unit is reordered: a group's concatenated weight
-        # or a column-major weight made contiguous (oneDNN reorders from row-major)
-        self.workspace_bytes = max((sum(m.weight.numel() * 4 for m in u) for u in self.units
-                                    if len(u) > 1 or not u[0].weight.is_contiguous()),
-                                   default=0)
+        self.workspace_bytes = staging_bytes(self.units)
         self._unit_of = {id(u): u for u in self.units}
         self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
                           for i, m in enumerate(unit)]  # made once

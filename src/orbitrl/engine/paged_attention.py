@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
-from orbitrl.engine.paged_common import FP8, FP8_MAX, dequantize
+from orbitrl.engine.paged_common import FP8, FP8_MAX, SOFTCAP_REFUSED, dequantize
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import decode_attention_exact, sdpa
 
@@ -131,8 +131,7 @@ class PagedAttention:
         self.cache, self.windows, self.scale = cache, windows, scale
         self.softcap = softcap  # Gemma 2: scores soft-capped (the torch path only)
         if softcap is not None and backend == "triton":
-            raise OrbitError("attention backend 'triton': the paged kernels have no attention "
-                             "soft-capping (config.json attn_logit_softcapping); use 'torch'")
+            raise OrbitError(SOFTCAP_REFUSED)
         self.exact = exact  # model.attention.sdpa: fp32 CPU attention in fp64
         # "torch": gather + SDPA (the CPU default and the reference); "triton": the paged
         # kernels of attention_kernels.py read the blocks in place (the CUDA default)

@@ -1,7 +1,8 @@
 """What the paged attention paths share, below all of them: the fp8 e4m3 KV format
 (``dequantize``, used by ``KVCache``, the torch reference kernels and the decode runner's
-reference) and the split-K count of the paged decode kernel (``auto_splits``, used by the
-Triton kernel and the decode runner). Torch only: no Triton, no other engine module, so
+reference), the split-K count of the paged decode kernel (``auto_splits``, used by the
+Triton kernel and the decode runner) and the kernels' refusal of soft-capped scores
+(``SOFTCAP_REFUSED``). Torch only: no Triton, no other engine module, so
 ``paged_attention``, ``attention_kernels`` and ``triton_attention`` all import it without
 importing each other in a circle.
 """
@@ -14,6 +15,10 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# the paged kernels have no attention soft-capping: a model with it (Gemma 2) attends with
+# the torch reference, and asking for the kernels is refused with this line
+SOFTCAP_REFUSED = ("attention backend 'triton': the paged kernels have no attention "
+                   "soft-capping (config.json attn_logit_softcapping); use 'torch'")
 
 
 @lru_cache(maxsize=None)

@@ -199,7 +199,7 @@ class ModelConfig:
             qkv_bias = False
         else:
             qkv_bias = bool(hf.get("attention_bias", qkv_default))
-        windows = _sliding_windows(hf, mt, n_layers)
+        windows = gemma.pop("sliding_windows", None) or _sliding_windows(hf, mt, n_layers)
 
         moe = MoEConfig.from_hf(hf, mt, n_layers, source)
         return cls(
@@ -249,8 +249,9 @@ def _activation(hf: dict, mt: str, source: str) -> str:
 
 
 def _gemma(hf: dict, mt: str, n_layers: int, source: str) -> dict:
-    """Gemma 2 / Gemma 3 fields of ModelConfig, transformers' defaults for keys left out;
-    for Gemma 3 also ``rope``: the full-attention layers' rotary parameters."""
+    """Gemma 2 / Gemma 3 fields of ModelConfig (the per-layer windows among them),
+    transformers' defaults for keys left out; for Gemma 3 also ``rope``: the
+    full-attention layers' rotary parameters."""
     if mt not in GEMMA:
         return {}
     if hf.get("use_bidirectional_attention"):
@@ -270,6 +271,8 @@ def _gemma(hf: dict, mt: str, n_layers: int, source: str) -> dict:
                final_softcap=cap("final_logit_softcapping",
                                  30.0 if mt == "gemma2" else None))
     types = _gemma_layer_types(hf, mt, n_layers, source)
+    window = hf.get("sliding_window", 4096)
+    out["sliding_windows"] = [window if t == "sliding_attention" else None for t in types]
     if mt == "gemma3_text":
         full, local = _gemma3_ropes(hf)
         kind = local["rope_type"]
@@ -400,15 +403,12 @@ def _rope_layers(hf: dict, mt: str, n_layers: int, source: str) -> list:
 
 
 def _sliding_windows(hf: dict, mt: str, n_layers: int) -> list:
-    """Per-layer sliding window, following each family's rule in transformers."""
+    """Per-layer sliding window, following each family's rule in transformers (Gemma's:
+    ``_gemma``)."""
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
     if mt == "smollm3" and not hf.get("use_sliding_window"):
         return [None] * n_layers  # its layer_types apply only with use_sliding_window
-    if mt in GEMMA:  # (types checked by _gemma)
-        window = hf.get("sliding_window", 4096)
-        return [window if t == "sliding_attention" else None
-                for t in _gemma_layer_types(hf, mt, n_layers, "config.json")]
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     if mt in ("mistral", "mixtral", "phi3"):

@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from orbitrl.errors import OrbitError
+from orbitrl.errors import OrbitError, first_line
 
 # org/name with Hub characters, an optional @revision (branch, tag or commit)
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
@@ -59,7 +59,7 @@ def resolve_hub_id(s: str, revision: str | None = None) -> Path:
             return got
         cached_err = f"the cached snapshot {got} has no config.json"
     except Exception as e:  # huggingface_hub raises several types for a cache miss
-        cached_err = _first_line(e)
+        cached_err = first_line(e)
     where = f"{repo}" + (f"@{rev}" if rev else "")
     if offline():
         raise OrbitError(f"model {where!r}: not in the Hugging Face cache {cache} and "
@@ -69,9 +69,4 @@ def resolve_hub_id(s: str, revision: str | None = None) -> Path:
                                       allow_patterns=MODEL_FILES))
     except Exception as e:  # network, authentication, a missing repository or revision
         raise OrbitError(f"model {where!r}: not in the Hugging Face cache {cache} and could "
-                         f"not be downloaded ({_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+                         f"not be downloaded ({first_line(e)})") from None

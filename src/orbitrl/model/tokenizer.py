@@ -7,7 +7,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from orbitrl.errors import OrbitError
+from orbitrl.errors import OrbitError, first_line
 
 
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
@@ -44,8 +44,7 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
         else:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OrbitError(f"{path}: cannot load a tokenizer ({msg})") from None
+        raise OrbitError(f"{path}: cannot load a tokenizer ({first_line(e)})") from None
     if vocab_size is not None and len(tok) > vocab_size:
         raise OrbitError(f"{path}: tokenizer has {len(tok)} tokens but the model's embedding "
                          f"has only {vocab_size} rows (vocab_size in config.json)")

@@ -14,7 +14,7 @@ from typing import Callable
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.engine.governor import available_memory
-from orbitrl.engine.packed import PackedLinears, packable_bytes
+from orbitrl.engine.packed import packing_units, staging_bytes, unit_bytes
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
                                     runtime_prediction)
@@ -167,14 +167,13 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     r, c = cfg.rollout, model.config
     kv_dtype = engine_kv_dtype(r.kv_dtype)
     plan, budget = None, int(r.kv_budget_mb * 2**20)
+    bb = kv_block_bytes(model, kv_dtype, r.block_size)
     if not budget:
-        bb = kv_block_bytes(model, kv_dtype, r.block_size)
         plan = kv_pool_for_run(cfg, c.hf, prompt_len, bb, available=available_memory(device),
                                resident=tensor_bytes(model, reference, device=device),
                                device=device.type, devices=devices)
         budget = plan["blocks"] * bb
-    packed = packed_budget(cfg, model, prompt_len, budget // kv_block_bytes(
-        model, kv_dtype, r.block_size), device, devices)
+    packed = packed_budget(cfg, model, prompt_len, budget // bb, device, devices)
     engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
                     block_size=r.block_size, seed=cfg.train.seed, packed_bytes=packed)
     if plan is not None:
@@ -193,7 +192,8 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
     beside training, or on rollout ranks that sync weights, the copies would sit beside
     training's memory or be remade at every sync)."""
     mode = cfg.rollout.packed_weights
-    packable = packable_bytes(model) if device.type == "cpu" else 0
+    units = packing_units(model) if device.type == "cpu" else []
+    packable = sum(unit_bytes(u) for u in units)
     if mode == "off" or not packable:
         return 0
     if mode == "on":
@@ -206,7 +206,7 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
                               recompute=bool(getattr(model, "recompute", False)),
                               devices=devices)
     # (oneDNN's state is in both phases; the staging of one unit only in the rollout)
-    left = pred["train"] - pred["rollout"] - PackedLinears(model, packable).workspace_bytes
+    left = pred["train"] - pred["rollout"] - staging_bytes(units)
     return min(packable, left) if left >= PACKED_MIN_BYTES else 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.attention import soft_cap
 
 VOCAB_CHUNK = 8192
 TOKEN_CHUNK = 1024
@@ -33,7 +34,7 @@ TOKEN_CHUNK = 1024
 def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float, cap: float | None) -> torch.Tensor:
     # h: [n, H], w: [v, H] -> fp32 logits [n, v] (soft-capped, scaled by 1/temperature)
     z = h.float() @ w.float().t()
-    if cap is not None:  # Gemma's final_logit_softcapping: cap * tanh(z / cap)
+    if cap is not None:  # Gemma's final_logit_softcapping: attention.soft_cap, in place
         z = z.div_(cap).tanh_().mul_(cap)
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
@@ -194,10 +195,7 @@ def model_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, *,
 def naive_token_logprobs(hidden, weight, targets, temperature: float = 1.0,
                          softcap: float | None = None):
     """Reference path that materialises [N, V] logits (for tests and the benchmark)."""
-    z = hidden.float() @ weight.float().t()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
-    z = z / temperature
+    z = soft_cap(hidden.float() @ weight.float().t(), softcap) / temperature
     lp_all = torch.log_softmax(z, dim=-1)
     y = targets.long()
     logp = lp_all.gather(-1, y.clamp(min=0)[..., None])[..., 0]
