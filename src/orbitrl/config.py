@@ -161,10 +161,10 @@ class AlgoSection:
     epochs: int = 1
     gamma: float = 1.0  # PPO: GAE discount
     lam: float = 0.95  # PPO: GAE lambda
-    value_lr: float = 1e-3  # PPO: critic (value head) learning rate
+    value_lr: float = 1e-3  # PPO: the critic's learning rate (critic.*)
     value_clip: float = 0.2  # PPO: value clipping range
     vf_coef: float = 0.5  # PPO: weight of the value loss
-    critic_max_grad_norm: float = 1.0  # PPO: the value head's gradient is clipped to this global norm before each of its steps (one per micro-batch)
+    critic_max_grad_norm: float = 1.0  # PPO: the critic's gradient is clipped to this global norm before each of its steps (one per micro-batch)
     anchor_refresh_steps: int = 200
     anchor_kl_threshold: float = 0.3
     check: bool = False  # assert RL invariants in the loop (KL 0 and ratio 1 at step 0)
@@ -181,6 +181,24 @@ class AlgoSection:
         if self.mismatch == "mis":
             _require(self, "algo", ("tis_cap",), lambda v: v >= 1,
                      ">= 1 with algo.mismatch mis (it keeps ratios in [1 / tis_cap, tis_cap])")
+
+
+@dataclass
+class CriticSection:
+    """PPO's value function (algo.name ppo; its learning rate is algo.value_lr, its clip
+    algo.critic_max_grad_norm) (docs/training.md#the-critic-ppo-rlcriticpy)."""
+    kind: Literal["model", "head"] = "model"  # model: a value network of its own (a decoder and a scalar head on its final hidden states, its own forward and backward); head: an MLP on the policy's detached hidden states (no forward of its own)
+    path: str = ""  # model: its starting weights, a model directory or Hub id (a one-label sequence-classification checkpoint, e.g. from orbitrl rm, starts the head too); empty: the policy's starting weights
+    mode: Literal["auto", "adapter", "full"] = "auto"  # model: LoRA (lora.*) on a frozen base, or every weight; auto: train.mode. An adapter critic with the policy's path and base format shares the policy's frozen base on one process
+    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4"] = "auto"  # an adapter critic's frozen base format; auto: model.base_dtype (the shared base)
+    optimizer: Literal["auto", "adamw", "sgd", "adalomo"] = "auto"  # auto: AdamW for an adapter critic, the stateless fused AdaLomo-style update for a full one
+    tiers: int = 0  # a full critic: k >= 1 keeps its decoder layers in host memory and copies each to the device k layers ahead, as train.tiers (needs a fused critic.optimizer)
+
+    def __post_init__(self):
+        _require(self, "critic", ("tiers",), lambda v: v >= 0, ">= 0")
+        if self.tiers and (self.mode == "adapter" or self.optimizer == "adamw"):
+            raise OrbitError("config key 'critic.tiers' needs a full critic (critic.mode full "
+                             "or auto with train.mode full) and a fused critic.optimizer")
 
 
 @dataclass
@@ -360,6 +378,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     data: DataSection = field(default_factory=DataSection)
     eval: EvalSection = field(default_factory=EvalSection)
     reward: RewardSection = field(default_factory=RewardSection)

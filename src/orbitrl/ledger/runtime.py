@@ -20,7 +20,7 @@ from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
 from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
                                    activation_bytes, largest_projection_params,
-                                   largest_tensor_params, projection_params)
+                                   largest_tensor_params, projection_params, state_bytes)
 from orbitrl.ledger.models import ModelShape, from_config
 
 
@@ -96,7 +96,8 @@ class RunSpec:
         pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
         roles = RoleOptions(reference="host" if t.mode == "full" and reference_needed(cfg)
                             else "none",
-                            offload=2 if tiers else 0)
+                            offload=2 if tiers else 0,
+                            critic=cfg.algo.name == "ppo" and cfg.critic.kind == "model")
         return cls(strat, work, roles, compute, opt, kv_dtype, tiers, pulled, n, device,
                    cfg.model.dequant_cache_mb << 20, max(1, workers), int(mb_tokens),
                    bool(t.offload_activations))
@@ -260,6 +261,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
                         prefetch_depth=(spec.tiers or 2) if spec.pulled else 0)
     host = terms.pop("host")
     _runtime_terms(terms, host, shape, spec)
+    if spec.roles.critic:
+        critic_terms(terms, shape, cfg, spec.compute, spec.devices)
     if packed_bytes:
         # the copies, and the largest unit's contiguous fp32 staging while it is reordered
         # (a column-major head or a concatenated q/k/v group: engine/packed.py)
@@ -355,6 +358,43 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
             ph["activations:dequant"] = int(proj * DEQUANT_WORKSPACE[strat.base_dtype])
     elif strat.kind != "adapter":  # the int8 reference scores with the same kernel
         terms["score"]["activations:dequant"] = int(proj * DEQUANT_WORKSPACE["int8"])
+
+
+def critic_terms(terms: dict, shape: ModelShape, cfg, compute: str, devices: int = 1):
+    """PPO's value network (``critic.kind: model``, rl/critic.py) as orbitrl builds it, in
+    place of the bill's critic (the actor's strategy): fp32 adapters with their AdamW
+    moments and gradients, over the policy's base when it shares it (one process, the same
+    directory and format) or over a base of its own; or every weight (no output layer
+    unless tied) with its optimizer's state. Its forward and backward run after the actor's
+    (their activations are the actor's, freed by then): its gradients are the train phase's
+    only addition."""
+    c = cfg.critic
+    mode = cfg.train.mode if c.mode == "auto" else c.mode
+    for ph in terms.values():
+        for k in [k for k in ph if k.startswith("critic:")]:
+            del ph[k]
+    if mode == "adapter":
+        a = shape.adapter_params(cfg.lora.rank)
+        fmt = cfg.model.base_dtype if c.base_dtype == "auto" else c.base_dtype
+        fmt = "nf4" if fmt == "auto" else fmt
+        shared = (cfg.train.mode == "adapter" and not c.path and devices == 1
+                  and c.base_dtype in ("auto", cfg.model.base_dtype))
+        base = 0 if shared else Strategy("adapter", base_dtype={"fp32": compute}.get(
+            fmt, fmt)).frozen_bytes(shape)
+        weights, opt, grads = base + 4 * a, 8 * a, 4 * a
+    else:
+        name = "adalomo" if c.optimizer == "auto" else c.optimizer
+        st = state_bytes(shape, Strategy("adamw" if name == "adamw" else "stateless",
+                                         weight_dtype=compute, grad_dtype=compute))
+        head = 0 if shape.tie_embeddings else shape.vocab * shape.hidden * PARAM_BYTES[compute]
+        weights, opt = int(st.weights - head), st.master + st.optimizer
+        grads = st.grads or update_copies(name) * largest_tensor_params(shape) \
+            * PARAM_BYTES[compute]
+    for ph in terms.values():
+        ph["critic:weights"] = int(weights)
+        if opt:
+            ph["critic:optimizer"] = int(opt)
+    terms["train"]["critic:grads"] = int(grads)
 
 
 def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,

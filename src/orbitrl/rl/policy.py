@@ -31,7 +31,7 @@ from orbitrl.model.quant import cache_dequantized, check_format, finish_frozen, 
 from orbitrl.model.weights import load_model
 from orbitrl.train.residency import LayerResidency
 
-_BASE = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}
+BASE_FORMATS = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}
 
 
 @dataclass
@@ -99,7 +99,7 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     # rollout rank) gets what every rank of a torchrun run gets
     resolve_base(cfg, device, 0, distributed=True)
     if cfg.train.mode == "adapter":
-        model = load_base(path, _BASE[cfg.model.base_dtype], dtype, device)
+        model = load_base(path, BASE_FORMATS[cfg.model.base_dtype], dtype, device)
         apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                    targets=cfg.lora.targets, experts=cfg.lora.experts)
         trainable = adapter_parameters(model)

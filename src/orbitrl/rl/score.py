@@ -142,7 +142,7 @@ class Scorer:
         model: the policy; ``device`` where its batches go.
         runner: the RewardRunner of the run's reward sources.
         anchors, kl_ctl: the reference anchors and the KL controller.
-        critic: PPO's value head (None otherwise).
+        critic: PPO's ``rl.critic.Critic`` (None otherwise).
         opt: the policy's optimizer (whether the update's own forward can give the old
             logprobs depends on it).
         coll: the Collective.
@@ -257,7 +257,7 @@ class Scorer:
             if self.critic is not None:
                 scored = [score(self.model, p, self.T, return_hidden=True) for p in parts]
                 old = [o for o, _ in scored]
-                old_v = [p.pad(self.critic(h)) for p, (_, h) in zip(parts, scored)]
+                old_v = [p.pad(self.critic(p, h)) for p, (_, h) in zip(parts, scored)]
             elif reuse:  # the update's own forward gives them (actor_loss)
                 old = [None] * len(parts)
             else:

@@ -104,7 +104,7 @@ class RLTrainer:
     def _wire(self, prompt_len: int, roles):
         """The phases over the components, the rollout source, the memory prediction."""
         cfg, model = self.cfg, self.model
-        critic, critic_opt = build_critic(cfg.algo, model.config.hidden_size, self.device)
+        critic = build_critic(cfg, model, self.device, self.coll, self.coll.enabled)
         self.workers = Workers(resolve_workers(cfg, self.device, self.coll.enabled,
                                                is_fused(self.opt), critic is not None,
                                                model.config.moe is not None),
@@ -133,7 +133,7 @@ class RLTrainer:
         snapshot = Snapshot(self.policy.trainable) if cfg.train.mode == "adapter" else None
         self.updater = Updater(a, cfg.train, cfg.rollout.max_tokens, model,
                                self.policy.trainable, self.opt, self.guard, snapshot, critic,
-                               critic_opt, self.coll, self.workers)
+                               self.coll, self.workers)
         self.evaluator = Evaluator(self.engine, self.encode, cfg.data, cfg.rollout.max_tokens,
                                    cfg.reward.timeout_s, rollouts.weights, self.coll,
                                    trajectories=rollouts.trajectories if cfg.env.name
@@ -151,8 +151,8 @@ class RLTrainer:
         self.mem.prediction = run_prediction(cfg, model, self.engine, prompt_len,
                                              devices=self.coll.world,
                                              workers=self.workers.n)
-        self.mem.settle(model, self.policy.reference, self.engine.cache, self.opt, critic,
-                        critic_opt)
+        self.mem.settle(model, self.policy.reference, self.engine.cache, self.opt,
+                        *((critic.module, critic.opt) if critic else ()))
 
     # ---- what the lifecycle, checkpoints and tests read ------------------------------------
     model = property(lambda self: self.policy.model)
@@ -164,7 +164,6 @@ class RLTrainer:
     anchors = property(lambda self: self.scorer.anchors)
     kl_ctl = property(lambda self: self.scorer.kl_ctl)
     critic = property(lambda self: self.updater.critic)
-    critic_opt = property(lambda self: self.updater.critic_opt)
     snapshot = property(lambda self: self.updater.snapshot)
     predictor = property(lambda self: self.report.predictor)
     train_rows = property(lambda self: self.data.rows)

@@ -27,10 +27,11 @@ from orbitrl.train.optim import build_optimizer as build_fused, is_fused, lr_at
 
 def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSection,
                kl_coef: float, temperature: float, denom: float, norm_len: int,
-               critic=None, old_values=None, returns=None, mask=None):
+               mask=None, return_hidden: bool = False):
     """Policy loss (``losses.policy_loss`` with ``algo.*``: clipping, dual-clip, the
-    mismatch correction, the entropy bonus) + KL term (+ the critic's value loss for PPO)
-    of one micro-batch; returns (loss, metrics). ``old_logp`` None: the old policy is the
+    mismatch correction, the entropy bonus) + KL term of one micro-batch; returns (loss,
+    metrics), and with ``return_hidden`` the hidden states [M, H] of the completion
+    positions, detached (PPO's value head reads them). ``old_logp`` None: the old policy is the
     one computing this forward (nothing changed the weights since the rollout was scored;
     see ``Scorer.old_from_update``), so its logprobs are this forward's, detached. ``mask``
     [B_k, T_k]: the loss mask (default the micro-batch's completion mask)."""
@@ -53,17 +54,26 @@ def actor_loss(model, mb: PackedBatch, old_logp, ref_logp, adv, algo: AlgoSectio
     router_loss, router_m = router_losses(model, routing)  # mixtures: load balance, z-loss
     loss = loss + router_loss
     m.update(router_m)
-    if critic is not None:
-        values = mb.pad(critic(hidden.detach()))
-        v_loss, vm = value_loss(values, old_values, returns, msk, clip=algo.value_clip,
-                                agg=algo.loss_agg, norm_len=norm_len, denom=denom)
-        loss = loss + algo.vf_coef * v_loss
-        m.update(vm)
     with torch.no_grad():  # (the entropy's metric comes from policy_loss)
         if ref_logp is not None:
             m["kl"] = float((kl_estimate(logp, ref_logp, algo.kl_estimator) * msk).sum()
                             / msk.sum().clamp(min=1))
-    return loss, m
+    return (loss, m, hidden.detach()) if return_hidden else (loss, m)
+
+
+def critic_loss(critic, mb: PackedBatch, hidden, old_values, returns, mask, algo: AlgoSection,
+                denom: float, norm_len: int):
+    """PPO's value loss of one micro-batch, weighted by ``algo.vf_coef``: (loss, metrics)."""
+    values = mb.pad(critic(mb, hidden))
+    v_loss, m = value_loss(values, old_values, returns, mask, clip=algo.value_clip,
+                           agg=algo.loss_agg, norm_len=norm_len, denom=denom)
+    return algo.vf_coef * v_loss, m
+
+
+def _with_loss(out):
+    """(loss, metrics) with the loss's value among the metrics as ``_loss``."""
+    loss, m = out
+    return loss, m | {"_loss": float(loss.detach())}
 
 
 def mean_metrics(metrics: list[dict], epochs: int = 1) -> dict:
@@ -97,16 +107,17 @@ class Updater:
         model, trainable: the policy and its trainable tensors.
         opt: AdamW (adapters) or a fused stateless optimizer (full parameters).
         guard: the GradNormGuard; snapshot: the last good adapters (None in full mode).
-        critic, critic_opt: PPO's value head and its optimizer (None otherwise).
+        critic: PPO's ``rl.critic.Critic`` (None otherwise): trained after each of the
+            actor's micro-batches, by a backward and an optimizer of its own.
         coll: the Collective.
     """
 
     def __init__(self, algo, train, max_tokens: int, model, trainable, opt, guard, snapshot,
-                 critic, critic_opt, coll, workers=None):
+                 critic, coll, workers=None):
         self.algo, self.train, self.max_tokens = algo, train, max_tokens
         self.model, self.trainable = model, trainable
         self.opt, self.guard, self.snapshot = opt, guard, snapshot
-        self.critic, self.critic_opt, self.coll = critic, critic_opt, coll
+        self.critic, self.coll = critic, coll
         self.fused = is_fused(opt)
         # several workers: the micro-batches' forward + backward side by side, each with
         # its own gradients, summed in micro-batch order (rl/parallel.py)
@@ -174,25 +185,24 @@ class Updater:
         return Update(applied=out["step_skipped"] == 0, metrics=out)
 
     def _loss(self, scored: Scored, k: int, epoch: int, version: int, denom: float):
-        """(loss, metrics) of micro-batch ``k``."""
+        """(loss, metrics, hidden states or None) of micro-batch ``k``."""
         algo = self.algo
         p = scored.parts[k]
-        a = sum(scored.sizes[:k])
-        b = a + scored.sizes[k]
-        T_k = p.mask.shape[1]
-        crit = {}
-        if self.critic is not None:
-            crit = dict(critic=self.critic, old_values=scored.values[a:b, :T_k],
-                        returns=scored.returns[a:b, :T_k])
-        loss, m = actor_loss(self.model, p, scored.old[k], scored.ref[k],
-                             scored.adv[a:b, :T_k], algo, scored.kl_coef,
-                             scored.temperature, denom, self.max_tokens,
-                             mask=scored.mask[a:b, :T_k], **crit)
+        a, b, T_k = *self._rows(scored, k), p.mask.shape[1]
+        loss, m, hidden = actor_loss(self.model, p, scored.old[k], scored.ref[k],
+                                     scored.adv[a:b, :T_k], algo, scored.kl_coef,
+                                     scored.temperature, denom, self.max_tokens,
+                                     mask=scored.mask[a:b, :T_k], return_hidden=True)
         if algo.check and version == 0 and epoch == 0 and k == 0:
             assert abs(m["ratio_mean"] - 1) < 1e-5, \
                 f"check: policy ratio at step 0 is {m['ratio_mean']}"
         m["_tokens"] = float(scored.mask[a:b, :T_k].sum())  # the step's means weigh by it
-        return loss, m
+        return loss, m, hidden
+
+    @staticmethod
+    def _rows(scored: Scored, k: int) -> tuple[int, int]:
+        a = sum(scored.sizes[:k])
+        return a, a + scored.sizes[k]
 
     def _side_by_side(self, scored: Scored, epoch: int, version: int, denom: float,
                       by_mb: dict, stop):
@@ -201,7 +211,7 @@ class Updater:
         params = [q for _, q in self._trained()]
 
         def one(k):
-            loss, m = self._loss(scored, k, epoch, version, denom)
+            loss, m, _ = self._loss(scored, k, epoch, version, denom)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             return grads, m | {"loss": float(loss.detach())}
 
@@ -223,10 +233,10 @@ class Updater:
     def _micro_batch(self, scored: Scored, k: int, epoch: int, version: int, denom: float,
                      by_mb: dict):
         """Forward + backward of micro-batch ``k`` (the fused optimizer steps inside)."""
+        held = {}
+
         def closure():
-            if self.critic is not None:  # a fused two-pass step runs this twice
-                self.critic_opt.zero_grad(set_to_none=True)
-            loss, m = self._loss(scored, k, epoch, version, denom)
+            loss, m, held["hidden"] = self._loss(scored, k, epoch, version, denom)
             loss.backward()
             by_mb[(epoch, k)] = m | {"loss": float(loss.detach())}
             return loss
@@ -235,27 +245,31 @@ class Updater:
             self.opt.step(closure)
         else:
             closure()
-        self._critic_step()
+        if self.critic is not None:
+            self._critic_step(scored, k, held["hidden"], denom, by_mb[(epoch, k)])
 
     def _idle_micro_batch(self):
         """A rank out of micro-batches joins the others' collectives with a zero loss."""
-        if self.critic is not None:
-            self.critic_opt.zero_grad(set_to_none=True)
         if self.fused:
             self.opt.step(lambda: self.coll.idle_backward(self.model))
         else:
             self.coll.idle_backward(self.model)
-        self._critic_step()
+        if self.critic is not None:  # its summed gradients: a zero share from this rank
+            self.critic.step(lambda: (sum(p.sum() * 0 for p in self.critic.parameters()), {}))
 
-    def _critic_step(self):
-        """The value head's update after a micro-batch (its gradients summed over ranks,
-        clipped to ``algo.critic_max_grad_norm``)."""
-        if self.critic is None:
-            return
-        self.coll.sum_grads(self.critic.parameters())
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.algo.critic_max_grad_norm)
-        self.critic_opt.step()
-        self.critic_opt.zero_grad(set_to_none=True)
+    def _critic_step(self, scored: Scored, k: int, hidden, denom: float, m: dict):
+        """The critic's update after the actor's micro-batch ``k`` (its own backward and
+        optimizer; gradients summed over ranks and clipped to
+        ``algo.critic_max_grad_norm``); its metrics join the micro-batch's, its weighted
+        loss the micro-batch's loss."""
+        p = scored.parts[k]
+        a, b = self._rows(scored, k)
+        T_k = p.mask.shape[1]
+        vm = self.critic.step(lambda: _with_loss(critic_loss(
+            self.critic, p, hidden, scored.values[a:b, :T_k], scored.returns[a:b, :T_k],
+            scored.mask[a:b, :T_k], self.algo, denom, self.max_tokens)))
+        m["loss"] += vm.pop("_loss")
+        m.update(vm)
 
     # ---- applying the step -------------------------------------------------------------
     def _apply(self, metrics: list[dict]) -> dict:

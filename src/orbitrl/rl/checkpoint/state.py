@@ -38,7 +38,7 @@ def scalar_state(tr, extra: dict) -> dict:
     }
     if tr.critic is not None:
         state["critic"] = tr.critic.state_dict()
-        state["critic_opt"] = tr.critic_opt.state_dict()
+        state.update(tr.critic.opt_state_dict())
     if torch.cuda.is_available():
         state["rng_cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -58,4 +58,4 @@ def restore_scalars(tr, state: dict):
         torch.cuda.set_rng_state_all(state["rng_cuda"])
     if tr.critic is not None:
         tr.critic.load_state_dict(state["critic"])
-        tr.critic_opt.load_state_dict(state["critic_opt"])
+        tr.critic.load_opt_state_dict(state)
