@@ -101,9 +101,11 @@ def test_critic_terms_in_the_ledger(over, owns_base):
     assert not any(k.startswith("critic:") for k in head.mem.prediction["terms"]["train"])
 
 
-def test_full_critic_steps_with_a_fused_update_and_an_adamw_head():
-    tr = make("critic.mode=full")
+@pytest.mark.parametrize("tiers", [0, 1])
+def test_full_critic_steps_with_a_fused_update_and_an_adamw_head(tiers):
+    tr = make("critic.mode=full", f"critic.tiers={tiers}")
     assert tr.critic.fused and tr.critic.head_opt is not None
+    assert (getattr(tr.critic.module.decoder, "residency", None) is not None) == bool(tiers)
     dec = [p.detach().clone() for p in tr.critic.module.decoder.parameters()]
     for _ in range(2):
         row = tr.step()
