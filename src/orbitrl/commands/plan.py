@@ -28,14 +28,18 @@ CHOICES = {
     "--sync": ("auto", "full", "adapter", "changed"),
     "--recompute": ("on", "off"),
     "--base-layout": ("auto", "replicated", "sharded"),
+    "--schedule": ("colocated", "separated", "one_step", "async", "fastest"),
 }
+# adapter bases orbitrl loads (model.base_dtype); fp8 and int4 are planned only on paper
+RUN_BASE_DTYPES = ("bf16", "int8", "nf4")
 
 
 def add_arguments(parser):
     a = parser.add_argument
     g = parser.add_argument_group("model (one of)")
     g.add_argument("--params", help="parameter count: 1e12, 1.6T, 70B")
-    g.add_argument("--model", help="checkpoint directory (config.json) or a known name, e.g. llama3-8b")
+    g.add_argument("--model", help="checkpoint directory (config.json), builtin:NAME or a known "
+                                   "name, e.g. llama3-8b")
     g.add_argument("--moe-experts", default="0", help="with --params: routed experts (0: dense)")
     g.add_argument("--moe-active", default="8", help="with --params: experts per token")
     c = parser.add_argument_group("cluster")
@@ -92,7 +96,12 @@ def add_arguments(parser):
     l_.add_argument("--sync", default="auto", help="weight sync to a separate pool: full | adapter | changed")
     l_.add_argument("--changed-fraction", default=None,
                     help="share of weights a step changes (default: 0.03 dense, 5e-4 MoE)")
+    l_.add_argument("--schedule", default="colocated",
+                    help="schedule shape a plan file runs (--out): colocated | separated | "
+                         "one_step | async | fastest (the simulator's quickest)")
     a("--json", action="store_true", help="print the whole bill as JSON")
+    a("--out", metavar="PLAN.json",
+      help="also write the plan as a file `orbitrl train --plan` runs (docs/planner.md)")
 
 
 def _num(args, flag: str, kind=float, positive=True, lo=None, hi=None):
@@ -130,6 +139,12 @@ def _shape(args):
             raise OrbitError(f"--params: {e}") from None
         experts = _num(args, "--moe-experts", int, positive=False)
         return models.from_params(n, experts, _num(args, "--moe-active", int))
+    if args.model.startswith("builtin:"):
+        from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+        try:
+            return models.load_model_dir(str(resolve_model_path(args.model)))
+        except (OSError, ValueError, json.JSONDecodeError) as e:
+            raise OrbitError(f"--model: cannot read {args.model}'s config.json: {e}") from None
     if os.path.isdir(args.model) or args.model.endswith(".json"):
         try:
             return models.load_model_dir(args.model)
@@ -217,6 +232,9 @@ def run(args) -> int:
     p = plan(*build(args))
     doc = p.to_dict()
     doc["proposal"] = proposal_doc(p.proposal)
+    if args.out:
+        from orbitrl.ledger.plan_file import write_plan  # start-up: kept off --help
+        write_plan(args.out, plan_document(args, p, doc))
     text = json.dumps(doc, indent=2) if args.json else render(doc)
     try:
         print(text)
@@ -224,3 +242,56 @@ def run(args) -> int:
     except BrokenPipeError:  # `orbitrl plan ... | head`: the reader left, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def run_settings(args, shape_name: str, rollout_ranks: int | None) -> dict:
+    """The orbitrl config keys the plan's choices fix (the ``settings`` of a plan file)."""
+    strategy = args.strategy
+    out: dict = {}
+    if args.model and (args.model.startswith("builtin:") or os.path.isdir(args.model)):
+        out["model.path"] = args.model if args.model.startswith("builtin:") \
+            else os.path.abspath(args.model)
+    out["train.mode"] = "adapter" if strategy == "adapter" else "full"
+    out["train.optimizer"] = "adalomo" if strategy == "stateless" else "adamw"
+    if strategy == "adapter":
+        if args.base_dtype in RUN_BASE_DTYPES:
+            out["model.base_dtype"] = args.base_dtype
+        out["lora.rank"] = int(args.adapter_rank)
+    out["train.recompute"] = args.recompute == "on"
+    out["rollout.max_tokens"] = int(args.completion_len)
+    if args.critic:
+        out["algo.name"] = "ppo"
+        out["critic.kind"] = "model"
+    out["schedule.shape"] = shape_name
+    if rollout_ranks is not None:
+        out["schedule.rollout_ranks"] = rollout_ranks
+    return out
+
+
+def plan_document(args, p, doc: dict) -> dict:
+    """The plan file: per-role plan, the settings it fixes and what it predicts."""
+    from orbitrl.ledger.plan_file import FORMAT, VERSION  # start-up: kept off --help
+    shapes = doc["schedule"].get("shapes", {})
+    want = _choice(args, "--schedule")
+    if want == "fastest":
+        want = min(shapes, key=lambda k: shapes[k]["step_s"]) if shapes else "colocated"
+    if want not in shapes:
+        raise OrbitError(f"--schedule: {want} needs at least 2 devices (have {p.cluster.devices}); "
+                         f"use --schedule colocated")
+    chosen = shapes[want]
+    rollout_ranks = None if want == "colocated" else int(chosen["rollout_devices"])
+    return {
+        "format": FORMAT, "version": VERSION,
+        "devices": p.cluster.devices,
+        "fits": doc["fits"],
+        "model": doc["model"]["name"],
+        "tp": doc["tp"], "dp": doc["dp"],
+        "micro_batch": doc["micro_batch"],
+        "schedule": {"shape": want, "rollout_devices": chosen["rollout_devices"],
+                     "train_devices": chosen["train_devices"]},
+        "roles": doc["execution"],
+        "settings": run_settings(args, want, rollout_ranks),
+        "predicted": {"peak_bytes_per_device": doc["per_device_bytes"],
+                      "role_bytes": {r: v["device"] for r, v in doc["roles"].items()},
+                      "step_s": chosen["step_s"]},
+    }

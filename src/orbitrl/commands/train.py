@@ -6,6 +6,8 @@ arithmetic task; held-out accuracy is evaluated before and after.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -17,9 +19,38 @@ def add_arguments(parser):
     add_config_args(parser)
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue a run from its last checkpoint")
+    parser.add_argument("--plan", metavar="PLAN.json",
+                        help="run a plan written by `orbitrl plan --out`: its settings apply "
+                             "first, the config file and --set override them")
+
+
+def _load_plan(args):
+    """(plan document, config base layer) for --plan, checked against this launch."""
+    from orbitrl.config import load_config  # start-up: kept off --help
+    from orbitrl.ledger.plan_file import (  # start-up: kept off --help
+        check_world, read_plan, settings_layer)
+
+    if args.resume:
+        raise OrbitError(f"--plan {args.plan}: not with --resume (the run's config.yaml "
+                         f"already holds its settings)")
+    doc = read_plan(args.plan)
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    check_world(doc, args.plan, world)
+    base = settings_layer(doc)
+    try:  # a bad value names the plan file, not the config layers over it
+        load_config(None, None, base=base)
+    except OrbitError as e:
+        raise OrbitError(f"--plan {args.plan}: settings: {e}") from None
+    return doc, base
 
 
 def run(args) -> int:
+    plan_doc = base = None
+    if getattr(args, "plan", None):
+        plan_doc, base = _load_plan(args)
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").exists():
@@ -27,6 +58,10 @@ def run(args) -> int:
         from orbitrl.config import load_config  # start-up: kept off --help
 
         cfg = load_config(run_dir / "config.yaml", args.overrides)
+    elif base is not None:
+        from orbitrl.config import load_config  # start-up: kept off --help
+
+        cfg = load_config(args.config, args.overrides, base=base)
     else:
         cfg = config_from_args(args)
     import torch  # start-up: kept off --help
@@ -54,10 +89,24 @@ def run(args) -> int:
                          f"exited, or a collective waited past dist.timeout_s="
                          f"{dist.timeout_s:g}s): {first}; resume from the last checkpoint "
                          f"with: orbitrl train --resume {out}") from None
+    if dist.is_main and plan_doc is not None and summary:
+        _add_plan_entry(summary, plan_doc, args.plan, out)
     if dist.is_main:
         print_summary(summary, out)
     shutdown(dist)
     return 0
+
+
+def _add_plan_entry(summary: dict, doc: dict, path: str, out: Path):
+    """summary.json's ``plan``: the plan's predictions beside the run's measurements."""
+    from orbitrl.ledger.plan_file import (  # start-up: kept off --help
+        compare, measured_step_seconds)
+
+    step_s, steps = measured_step_seconds(out / "metrics.jsonl")
+    summary["plan"] = compare(doc, path, summary, step_s, steps)
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out / "summary.json")
 
 
 def _is_comm_error(e: BaseException) -> bool:

@@ -432,6 +432,22 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def _plan_rows(plan: dict | None) -> list[tuple[str, str]]:
+    """The summary lines of a run from a plan file: its predictions against the measured."""
+    if not plan:
+        return []
+
+    def row(entry: dict, fmt) -> str:
+        p, m, r = entry.get("predicted"), entry.get("measured"), entry.get("ratio")
+        return (f"{fmt(p) if p is not None else '-'} -> {fmt(m) if m is not None else '-'}"
+                + (f" (x{r:.2f})" if r is not None else ""))
+
+    return [("plan peak per device (planned -> measured)",
+             row(plan["peak_bytes_per_device"], lambda b: f"{b / 2**20:.1f} MiB")),
+            ("plan step time (planned -> measured)",
+             row(plan["step_s"], lambda t: f"{t:.3g} s"))]
+
+
 def print_summary(summary: dict, run_dir: Path, echo=print):
     rows = [("held-out accuracy before", f"{summary['heldout_accuracy_before']:.3f}"),
             ("held-out accuracy after", f"{summary['heldout_accuracy_after']:.3f}"),
@@ -450,6 +466,7 @@ def print_summary(summary: dict, run_dir: Path, echo=print):
             ("peak memory", f"{summary['peak_memory_bytes'] / 2**20:.0f} MiB"),
             ("skipped steps (spike / non-finite)",
              f"{summary['skipped_spike']} / {summary['skipped_nonfinite']}"),
+            *_plan_rows(summary.get("plan")),
             ("run directory", str(run_dir))]
     w = max(len(k) for k, _ in rows)
     echo("-" * (w + 30))
