@@ -52,7 +52,11 @@ FAMILY_CONFIGS = {
 
 # Tiny mixtures: top-2 softmax routing (Mixtral, with a sliding window and a tied head),
 # a shared expert with its sigmoid gate, raw top-k weights and a dense layer (Qwen2-MoE),
-# normalised top-k over 8 experts, untied (Qwen3-MoE).
+# normalised top-k over 8 experts, untied (Qwen3-MoE); gpt-oss: attention sinks, sliding and
+# full layers alternating (transformers' default layer_types), biases everywhere, a biased
+# router whose weights are a softmax over the top-k logits, fused experts in the checkpoint,
+# a SwiGLU limit low enough that these tiny experts' clamps bite, yarn with truncate false
+# (gpt-oss's), its factor the context ratio as transformers expects
 MOE_CONFIGS = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=6, tie_word_embeddings=True),
@@ -62,6 +66,11 @@ MOE_CONFIGS = {
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=3,
                       moe_intermediate_size=32, norm_topk_prob=True,
                       tie_word_embeddings=False),
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48, head_dim=16, sliding_window=5, swiglu_limit=0.5,
+                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 16}, **SMALL_IDS),
 }
 FAMILY_CONFIGS.update(MOE_CONFIGS)
 
@@ -105,14 +114,17 @@ def make_hf_model(family: str, seed: int = 0, **over):
     torch.manual_seed(seed)
     cfg = make_hf_config(family, **over)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    routers = ("gate.weight", "router.weight")  # gpt-oss's is "router"
     # random norms/biases too, so a mis-mapped norm or bias cannot hide
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-            elif n.endswith("gate.weight") or "experts" in n:  # routers: spread choices
-                p.copy_(0.5 * torch.randn_like(p) if n.endswith("gate.weight")
+            elif n.endswith(routers) or "experts" in n:  # routers: spread choices
+                p.copy_(0.5 * torch.randn_like(p) if n.endswith(routers)
                         else 0.1 * torch.randn_like(p))
+            elif n.endswith("sinks"):  # gpt-oss: sinks that take a real share of each softmax
+                p.copy_(torch.randn_like(p))
     return model.eval()
 
 

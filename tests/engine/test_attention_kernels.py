@@ -285,6 +285,54 @@ def test_prefill_matches_references(group, fp8, start, t, window):
         torch.testing.assert_close(out, _engine_prefill(cache, q, own, start, bs, window), **TOL)
 
 
+def test_sinks_in_every_path():
+    """Attention sinks (gpt-oss: a logit per query head in each softmax's denominator): the
+    decode kernel direct, split (reduce kernel) and by prefix groups, and the prefill kernel,
+    against the torch references, the engine's PagedAttention and the softmax over the
+    scores with the sink appended written out; a padding row stays zero."""
+    bs, hkv, d, group = 4, 2, 16, 2
+    bt, ctx = _grpo_tables(bs, 2, [[5, 1], [9]], 40, seed=6)
+    bt, ctx = torch.cat([bt, bt[:1]]), torch.cat([ctx, ctx.new_zeros(1)])  # a padding row
+    cache = _pool(hkv, d, 40, bs, False, seed=6)
+    q = torch.randn(len(ctx), hkv * group, d, device=DEV)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 6.0], device=DEV)
+    kw = _kw(cache, bs)
+    ref = paged_decode_torch(q, cache.k[0], cache.v[0], bt, ctx, sinks=sinks, **kw)
+    plain = paged_decode_torch(q, cache.k[0], cache.v[0], bt, ctx, **kw)
+    assert (ref[:3] - plain[:3]).abs().max() > 1e-2 and (ref[3] == 0).all()
+    for b in range(3):  # written out: softmax over [scores, sink], the sink's share dropped
+        n = int(ctx[b])
+        slots = (bt[b].long()[:, None] * bs + torch.arange(bs, device=DEV)).reshape(-1)[:n]
+        k, v = cache.read(0, slots)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, Hq, D]
+        s = torch.einsum("hd,nhd->hn", q[b], k) * 0.3
+        p = torch.softmax(torch.cat([s, sinks[:, None]], 1), 1)[:, :-1]
+        torch.testing.assert_close(ref[b], torch.einsum("hn,nhd->hd", p, v), **TOL)
+    groups = shared_prefix_groups(bt, ctx, bs, max_group=2)
+    for extra in ({}, {"num_splits": 3}, {"prefix_groups": groups}):
+        out = paged_decode(q, cache.k[0], cache.v[0], bt, ctx, backend="triton", sinks=sinks,
+                           **kw, **extra)
+        torch.testing.assert_close(out, ref, **TOL)
+        assert (out[3] == 0).all()
+    live = [0, 1, 2]
+    items = [(bt[i, :-(-int(ctx[i]) // bs)].tolist(), int(ctx[i]) - 1, 1) for i in live]
+    attn = PagedAttention.build(cache, [None], 0.3, items)
+    k, v = cache.read(0, attn.slot_mapping)
+    torch.testing.assert_close(attn(0, q[live][None], k[None], v[None], sinks=sinks)[0],
+                               ref[live], **TOL)
+    start, t = 3, int(ctx[2]) - 3
+    qp = torch.randn(t, hkv * group, d, device=DEV)
+    want = paged_prefill_torch(qp, cache.k[0], cache.v[0], bt[2], start, sinks=sinks, **kw)
+    got = paged_prefill(qp, cache.k[0], cache.v[0], bt[2], start, backend="triton",
+                        sinks=sinks, **kw)
+    torch.testing.assert_close(got, want, **TOL)
+    own = bt[2, :-(-(start + t) // bs)].tolist()
+    attn = PagedAttention.build(cache, [None], 0.3, [(own, start, t)])
+    k, v = cache.read(0, attn.slot_mapping)
+    torch.testing.assert_close(attn(0, qp[None], k[None], v[None], sinks=sinks)[0], want,
+                               **TOL)
+
+
 def test_backend_dispatch():
     bs = 4
     ctx = torch.tensor([6], dtype=torch.int32, device=DEV)

@@ -33,7 +33,8 @@ def _run(model, backend, static, kv_dtype=None):
 
 
 @pytest.mark.parametrize("family,kv_dtype", [("qwen2", None), ("mistral", None),
-                                             ("llama", "fp8"), ("gemma3_text", None)])
+                                             ("llama", "fp8"), ("gemma3_text", None),
+                                             ("gpt_oss", None)])  # sinks, windows
 @pytest.mark.parametrize("static", [False, True])
 def test_kernels_match_the_plain_path(hf_dirs, family, kv_dtype, static):
     model = orbitrl.load_model(hf_dirs[family][0], device=DEV)

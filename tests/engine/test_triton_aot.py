@@ -37,7 +37,10 @@ def test_every_variant_compiles_for_sm90_and_sm86():
                                              "_reduce_kernel"],
                    "decode, prefix groups, window": ["_shared_prefix_kernel",
                                                      "_decode_kernel", "_reduce_kernel"],
-                   "prefill": ["_prefill_kernel"], "prefill, window": ["_prefill_kernel"]}
+                   "prefill": ["_prefill_kernel"], "prefill, window": ["_prefill_kernel"],
+                   "decode, sinks": ["_decode_kernel"],
+                   "decode, 4 splits, sinks": ["_decode_kernel", "_reduce_kernel"],
+                   "prefill, sinks": ["_prefill_kernel"]}
     assert len(per_variant) == aot.VARIANTS
     for arch, kv_dtypes in (("90", ("bf16", "fp8")), ("86", ("fp8",))):
         got = out[arch]

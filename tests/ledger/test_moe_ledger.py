@@ -1,11 +1,15 @@
 """The ledger's mixture pricing: shapes read from MoE config.json files, active against
-total parameters, the sparse per-step change that a delta weight sync moves, and the predicted
-peak of real MoE runs against the measured one."""
+total parameters, gpt-oss's biases and sinks against the loaded model, the sparse per-step
+change that a delta weight sync moves, and the predicted peak of real MoE runs against the
+measured one."""
 
 import json
 
 import pytest
 
+import orbitrl
+from orbitrl.engine import Engine
+from orbitrl.ledger.kv import kv_bytes_per_token
 from orbitrl.ledger.models import from_config, known
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig
@@ -22,6 +26,23 @@ def test_builtin_mixture_shape_matches_the_model():
     # active: 2 of 4 routed experts per layer (norms and routers are noise, not priced)
     idle = 4 * (2 * 3 * 128 * 192)
     assert abs((shape.total_params - shape.active_params) / idle - 1) < 0.01
+
+
+def test_gpt_oss_weights_and_kv_priced_as_loaded(hf_dirs):
+    """gpt-oss's biases (q/k/v/o, router, every expert projection) and attention sinks are
+    priced: the ledger's parameters are the model's, its weight bytes the loaded state
+    dict's; its KV bytes per token are the engine pool's per slot (every layer, the sliding
+    ones too: the pool keeps their keys past the window)."""
+    path, ref = hf_dirs["gpt_oss"]
+    shape = from_config(json.loads((path / "config.json").read_text()))
+    model = orbitrl.load_model(path)
+    measured = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert shape.total_params == model.config.num_params == sum(
+        p.numel() for p in ref.parameters())
+    assert abs(shape.total_params * 4 / measured - 1) < 0.10
+    cache = Engine(model, kv_budget_bytes=1 << 20, block_size=4).cache
+    assert kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                              "float32") == cache.nbytes // cache.k.shape[1]
 
 
 def test_sparse_update_prices_the_delta_sync():

@@ -1,6 +1,7 @@
 """The families added beside Llama/Qwen (SmolLM3's NoPE layers, OLMo 2/3's post-norm blocks
 and whole-projection q/k norms, Gemma 2/3's (1+w) sandwich norms, soft-capping, scaled
-embeddings and per-layer-kind rotaries) through the paths a run takes: the engine's and the
+embeddings and per-layer-kind rotaries, Phi-3's fused projections, gpt-oss's attention sinks
+and biased, clamped mixture) through the paths a run takes: the engine's and the
 trainer's logprobs agree (`orbitrl check-alignment`), and a GRPO step runs in adapter and
 full mode. Logits, engine greedy decoding, peft adapters and exports against transformers
 are in test_parity.py, tests/engine/test_engine.py and test_adapters_peft.py."""
@@ -20,7 +21,7 @@ from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import _embed_scale
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text", "phi3"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def test_engine_and_trainer_logprobs_agree(family_dirs, family, tmp_path):
 @pytest.mark.parametrize("family,mode", [("smollm3", "adapter"), ("olmo2", "full"),
                                          ("olmo3", "adapter"), ("gemma2", "full"),
                                          ("gemma3_text", "adapter"), ("phi3", "adapter"),
-                                         ("phi3", "full")])
+                                         ("phi3", "full"), ("gpt_oss", "adapter"),
+                                         ("gpt_oss", "full")])
 def test_a_grpo_step_runs(family_dirs, family, mode, tmp_path):
     assert main(["train", "--set", f"model.path={family_dirs[family]}",
                  "--set", f"train.mode={mode}", "--set", "train.max_steps=2",
@@ -121,6 +123,33 @@ def test_gemma_config_defaults_follow_transformers():
                        (dict(model_type="gemma3", text_config={}), "gemma3_text")]:
         with pytest.raises(OrbitError, match=match):
             ModelConfig.from_hf(dict(base, **bad))
+
+
+def test_gpt_oss_config_defaults_follow_transformers():
+    """Keys a gpt-oss config may leave out take transformers' defaults (every other layer
+    sliding, from the first, with a 128-token window; yarn on base 150000 with truncate
+    false; biases; SwiGLU alpha 1.702 and limit 7); an MXFP4 checkpoint stops with one line
+    naming config.json and the way out, and so does a SwiGLU limit that is not positive."""
+    from transformers import GptOssConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_local_experts=4, num_experts_per_tok=2)
+    c = ModelConfig.from_hf(dict(base, model_type="gpt_oss"))
+    t = GptOssConfig(**base)
+    assert c.sliding_windows == [t.sliding_window if k == "sliding_attention" else None
+                                 for k in t.layer_types] == [128, None] * 2
+    assert {**c.rope_params, "rope_theta": c.rope_theta} == t.rope_parameters
+    assert (c.rope_type, c.rope_theta) == ("yarn", 150000.0)
+    assert c.attn_sinks and c.qkv_bias and c.o_bias and not c.tie_word_embeddings
+    assert (c.moe.swiglu, c.moe.bias, c.moe.softmax_topk) == ((1.702, 7.0), True, True)
+    assert (c.moe.num_experts, c.moe.expert_intermediate, c.moe.top_k) == (4, 32, 2)
+    for bad, match in [({"quantization_config": {"quant_method": "mxfp4"}},
+                        r"quantization_config \(mxfp4\).*dequantized bf16"),
+                       ({"swiglu_limit": 0}, "swiglu_limit")]:
+        with pytest.raises(OrbitError, match=match) as e:
+            ModelConfig.from_hf(dict(base, model_type="gpt_oss", **bad), "x/config.json")
+        assert "\n" not in str(e.value) and str(e.value).startswith("x/config.json")
 
 
 def test_dropping_a_gemma_feature_breaks_the_logits(hf_dirs):

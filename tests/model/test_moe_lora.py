@@ -1,6 +1,7 @@
 """LoRA on mixtures: attention and shared-expert adapters in PEFT files that peft loads onto
 transformers' MoE models; routed-expert adapters per expert or shared across experts, on a
-frozen quantized base; a one-line error where PEFT files cannot carry them."""
+frozen quantized base, merged into an export (gpt-oss: into its fused expert tensors); a
+one-line error where PEFT files cannot carry them."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 import orbitrl
 from orbitrl.errors import OrbitError
 from orbitrl.model import moe
-from orbitrl.model.adapters import load_adapters, save_adapters
+from orbitrl.model.adapters import load_adapters, save_adapters, save_merged
 from orbitrl.model.lora import LoRALinear, adapter_parameters, apply_lora, lora_modules
 
 IDS = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(8))
@@ -26,7 +27,7 @@ def _train(model, steps=3):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_peft_loads_attention_and_shared_expert_adapters(hf_dirs, tmp_path, family):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -70,6 +71,29 @@ def test_per_expert_adapters_train_on_a_frozen_base(hf_dirs, tmp_path, fmt):
     with pytest.raises(OrbitError, match="routed expert") as e:
         save_adapters(model, tmp_path / "ad")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fmt,experts", [(None, "per_expert"), ("nf4", "shared")])
+def test_gpt_oss_expert_adapters_merge_into_the_fused_experts(hf_dirs, tmp_path, fmt,
+                                                             experts):
+    """gpt-oss's checkpoint holds each layer's experts fused (gate and up columns
+    interleaved, x @ W + b): adapters on every expert projection and on attention, over a
+    plain or NF4 base, export merged into those tensors, which transformers loads with our
+    logits."""
+    from transformers import AutoModelForCausalLM
+
+    path, ref = hf_dirs["gpt_oss"]
+    model = orbitrl.load_model(path, base_format=fmt)
+    names = apply_lora(model, rank=2, targets="all-linear", experts=experts)
+    assert len([n for n in names if moe.ROUTED_EXPERT.fullmatch(n)]) == 2 * 4 * 3
+    _train(model)
+    with torch.no_grad():
+        ours = model(IDS)
+    assert (ours - ref(IDS).logits).abs().max() > 1e-3
+    save_merged(model, tmp_path / "merged")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (back.eval()(IDS).logits - ours).abs().max().item() < 1e-5
 
 
 def test_shared_expert_adapters_are_one_pair_per_projection(hf_dirs):

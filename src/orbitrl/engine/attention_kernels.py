@@ -6,10 +6,11 @@ runs one program per (sequence, kv head) that serves the kv head's G = Hq / Hkv 
 together (K/V read once per group of query heads), with an online softmax in fp32, fp8 e4m3
 decoded in the kernel with its per-(token, kv head) scales, and sliding windows that skip
 the blocks wholly outside the window. Optional: split-K over long contexts (partial results
-merged by a reduce kernel), and prefix groups, in which the GRPO samples of one prompt read
-their shared prompt blocks once per group. The torch functions are the reference and the
-CPU path; they gather a static ``max_blocks * block_size`` keys per row and mask, so they are
-CUDA-graph capturable too.
+merged by a reduce kernel), prefix groups, in which the GRPO samples of one prompt read
+their shared prompt blocks once per group, and attention sinks (gpt-oss: a logit per query
+head that joins the softmax's denominator, added where a row's softmax is finished). The
+torch functions are the reference and the CPU path; they gather a static
+``max_blocks * block_size`` keys per row and mask, so they are CUDA-graph capturable too.
 
 Backends: ``"torch"``, ``"triton"``, or ``"auto"`` (Triton when q is on CUDA and Triton is
 installed, else torch). Triton on CPU tensors runs in Triton's interpreter, which must be
@@ -43,9 +44,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from orbitrl.engine.paged_common import dequantize
+from orbitrl.model.attention import sdpa
 
 
 class PrefixGroups(NamedTuple):
@@ -127,7 +128,8 @@ def _check(q, k_cache, k_scale, v_scale):
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale,
                  window=None, k_scale=None, v_scale=None, backend="auto",
-                 prefix_groups: PrefixGroups | None = None, num_splits: int | None = None):
+                 prefix_groups: PrefixGroups | None = None, num_splits: int | None = None,
+                 sinks=None):
     """One decode query per sequence against its paged context.
 
     Args:
@@ -141,6 +143,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size,
         prefix_groups: rows sharing leading blocks (see ``shared_prefix_groups``); Triton
             reads each group's shared blocks once. The result does not depend on it.
         num_splits: key splits per row for the Triton kernel (None: by batch size).
+        sinks: [Hq] logits in each row's softmax denominator (gpt-oss), or None.
     Returns:
         [B, Hq, D] in q's dtype.
     """
@@ -152,10 +155,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size,
             return triton_attention.decode(q, k_cache, v_cache, block_tables, context_lens,
                                            block_size=block_size, scale=scale, window=window,
                                            k_scale=k_scale, v_scale=v_scale,
-                                           num_splits=num_splits, groups=prefix_groups)
+                                           num_splits=num_splits, groups=prefix_groups,
+                                           sinks=sinks)
     return paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens,
                               block_size=block_size, scale=scale, window=window,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale, sinks=sinks)
 
 
 def _gather(cache, scale, slots, dtype):
@@ -167,7 +171,8 @@ def _gather(cache, scale, slots, dtype):
 
 
 def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale,
-                       window=None, k_scale=None, v_scale=None, prefix_groups=None):
+                       window=None, k_scale=None, v_scale=None, prefix_groups=None,
+                       sinks=None):
     """Reference for ``paged_decode``: gathers every row's ``max_blocks * block_size`` slots
     and masks by context length, so its shapes are static (capturable). ``prefix_groups``
     is accepted and ignored: grouping changes only how the kernel reads the blocks."""
@@ -185,14 +190,14 @@ def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, *, block
     if window is not None:
         mask &= qpos - kpos < window
     mask[:, 0] |= ctx == 0  # keeps padding rows finite; zeroed below
-    o = F.scaled_dot_product_attention(q.view(B, hkv, hq // hkv, d), k, v,
-                                       attn_mask=mask[:, None, None, :], scale=scale)
+    o = sdpa(q.view(B, hkv, hq // hkv, d), k, v, mask[:, None, None, :], scale, exact=False,
+             sinks=None if sinks is None else sinks.view(hkv, hq // hkv))
     o = torch.where((ctx > 0)[:, None, None, None], o, 0.0)
     return o.reshape(B, hq, d)
 
 
 def paged_prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale, window=None,
-                  k_scale=None, v_scale=None, backend="auto"):
+                  k_scale=None, v_scale=None, backend="auto", sinks=None):
     """Chunked prefill of one sequence over its paged prefix.
 
     Args:
@@ -209,13 +214,15 @@ def paged_prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale,
         with _on(q):
             return triton_attention.prefill(q, k_cache, v_cache, block_table, start,
                                             block_size=block_size, scale=scale,
-                                            window=window, k_scale=k_scale, v_scale=v_scale)
+                                            window=window, k_scale=k_scale, v_scale=v_scale,
+                                            sinks=sinks)
     return paged_prefill_torch(q, k_cache, v_cache, block_table, start, block_size=block_size,
-                               scale=scale, window=window, k_scale=k_scale, v_scale=v_scale)
+                               scale=scale, window=window, k_scale=k_scale, v_scale=v_scale,
+                               sinks=sinks)
 
 
 def paged_prefill_torch(q, k_cache, v_cache, block_table, start, *, block_size, scale,
-                        window=None, k_scale=None, v_scale=None):
+                        window=None, k_scale=None, v_scale=None, sinks=None):
     """Reference for ``paged_prefill``: gathers the start + T context slots and runs SDPA."""
     _check(q, k_cache, k_scale, v_scale)
     t, hq, d = q.shape
@@ -228,6 +235,6 @@ def paged_prefill_torch(q, k_cache, v_cache, block_table, start, *, block_size, 
     mask = pos[None] <= qpos
     if window is not None:
         mask &= qpos - pos[None] < window
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask[None, None],
-                                       scale=scale, enable_gqa=hq != k.shape[1])
+    o = sdpa(q.transpose(0, 1)[None], k, v, mask[None, None], scale, exact=False,
+             enable_gqa=hq != k.shape[1], sinks=None if sinks is None else sinks[:, None])
     return o[0].transpose(0, 1)

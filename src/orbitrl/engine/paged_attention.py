@@ -9,6 +9,8 @@ tokens (one query per sequence) go through one batched call over padded contexts
 chunks go one sequence at a time. With ``backend="triton"`` (the CUDA default) the same
 calls go to the paged kernels of ``attention_kernels.py`` instead, which read the blocks
 in place: decode tokens with their GRPO prefix groups, each prefill chunk over its prefix.
+A layer with attention sinks (gpt-oss) hands its [Hq] logits to each call; both paths put
+them in the softmax's denominator.
 """
 
 from __future__ import annotations
@@ -213,8 +215,8 @@ class PagedAttention:
             self._masks[(key, window)] = m
         return self._masks[(key, window)]
 
-    def __call__(self, layer: int, q, k, v):
-        # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]
+    def __call__(self, layer: int, q, k, v, sinks=None):
+        # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]; sinks: [Hq] or None
         # rows past the scheduled tokens are padding (ModelRunner pads a short step's row
         # count): they write nothing, read nothing and come out zero
         n, hq, d, hkv = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
@@ -225,7 +227,7 @@ class PagedAttention:
         window = self.windows[layer]
         if self.backend == "torch" and not self.prefills and self.num_decode:
             # only decode tokens (most steps): their output, zero rows appended for padding
-            o = self._decode(layer, q.reshape(n, hq, d), hkv, window)
+            o = self._decode(layer, q.reshape(n, hq, d), hkv, window, sinks)
             return (o if n == self.num_decode else
                     F.pad(o, (0, 0, 0, 0, 0, n - self.num_decode)))[None]
         q = q[0]
@@ -233,18 +235,19 @@ class PagedAttention:
         if n > real:
             out[real:].zero_()
         if self.backend == "triton":
-            return self._kernels(layer, q, out, window)[None]
+            return self._kernels(layer, q, out, window, sinks)[None]
         if self.num_decode:
-            out[:self.num_decode] = self._decode(layer, q, hkv, window)
+            out[:self.num_decode] = self._decode(layer, q, hkv, window, sinks)
         for i, (t0, t1, _, slots) in enumerate(self.prefills):
             kc, vc = self.cache.read(layer, slots)
             o = sdpa(q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
                      vc.transpose(0, 1)[None], self._mask(i, window), self.scale, self.exact,
-                     enable_gqa=hq != hkv, softcap=self.softcap)
+                     enable_gqa=hq != hkv, softcap=self.softcap,
+                     sinks=None if sinks is None else sinks[:, None])
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]
 
-    def _decode(self, layer: int, q, hkv: int, window):
+    def _decode(self, layer: int, q, hkv: int, window, sinks=None):
         """Decode rows' attention over their gathered contexts: q [>= B, Hq, D] ->
         [B, Hq, D]."""
         b, c = self.dec_shape
@@ -253,22 +256,23 @@ class PagedAttention:
         kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
         # the G query heads sharing one kv head act as G queries of that head
         qd = q[:b].view(b, hkv, hq // hkv, d)
+        sinks = None if sinks is None else sinks.view(hkv, hq // hkv)  # as qd's heads
         if self.exact and q.dtype == torch.float32 and q.device.type == "cpu":
             o = decode_attention_exact(qd, kc, vc, self._mask("dec", window), self.scale,
-                                       self.softcap)
+                                       self.softcap, sinks)
         else:
             o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2),
                      self._mask("dec", window, additive=q.dtype), self.scale, self.exact,
-                     softcap=self.softcap)
+                     softcap=self.softcap, sinks=sinks)
         return o.reshape(b, hq, d)
 
-    def _kernels(self, layer: int, q, out, window):
+    def _kernels(self, layer: int, q, out, window, sinks=None):
         """The paged kernels: decode tokens in one call, the GRPO samples of a prompt
         reading their shared blocks once; each prefill chunk over its paged prefix."""
         c = self.cache
         ks, vs = (c.k_scale[layer], c.v_scale[layer]) if c.fp8 else (None, None)
         kw = dict(block_size=c.block_size, scale=self.scale, window=window, k_scale=ks,
-                  v_scale=vs, backend="triton")
+                  v_scale=vs, backend="triton", sinks=sinks)
         if self.num_decode:
             if self._groups is None and self.dec_grouped:  # once per step, for every layer
                 self._groups = kernels.shared_prefix_groups(self.dec_bt, self.dec_ctx,

@@ -13,7 +13,8 @@ spills) with the ``cuobjdump`` shipped beside ptxas.
 Variants per attention shape (heads, kv heads, head size, dtype) and KV dtype (the model's
 or fp8 e4m3 with scales): decode on one split, with a sliding window, split-K with its
 reduce kernel, GRPO prefix groups (the shared-prefix kernel, then decode from each row's
-first unshared key), chunked prefill with and without a window.
+first unshared key), chunked prefill with and without a window, and attention sinks
+(gpt-oss) in the direct decode, the reduce and the prefill.
 
     python scripts/compile_kernels.py --arch 90                  # the default shapes
     python scripts/compile_kernels.py --arch 86 --model DIR      # one model's shapes
@@ -140,7 +141,7 @@ def compiling_for(arch: int):
                 k.device_caches = caches
 
 
-VARIANTS = 7  # launches per (shape, KV dtype) in _launches
+VARIANTS = 10  # launches per (shape, KV dtype) in _launches
 
 
 def _launches(shape: AttentionShape, fp8: bool):
@@ -175,6 +176,14 @@ def _launches(shape: AttentionShape, fp8: bool):
     qp = torch.zeros(100, hq, d, dtype=dt)
     yield "prefill", lambda: ta.prefill(qp, k, k, bt[0], 20, window=shape.window, **kw)
     yield "prefill, window", lambda: ta.prefill(qp, k, k, bt[0], 20, window=win, **kw)
+    sinks = torch.zeros(hq, dtype=dt)
+    yield "decode, sinks", lambda: ta.decode(q, k, k, bt, ctx, window=win, num_splits=1,
+                                             groups=None, sinks=sinks, **kw)
+    yield "decode, 4 splits, sinks", lambda: ta.decode(q, k, k, bt, ctx, window=shape.window,
+                                                       num_splits=4, groups=None, sinks=sinks,
+                                                       **kw)
+    yield "prefill, sinks", lambda: ta.prefill(qp, k, k, bt[0], 20, window=win, sinks=sinks,
+                                               **kw)
 
 
 def _resources(cubin: bytes) -> tuple[int | None, int | None]:

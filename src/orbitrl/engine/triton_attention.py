@@ -5,6 +5,9 @@ of one kv head, for one or more query positions) against key positions ``[k_star
 of one sequence, read in place through its block table, with an online softmax in fp32.
 K/V are never gathered into a contiguous copy. fp8 e4m3 bits are decoded in the kernel and
 their per-(token, head) scales are applied to the scores and probabilities, not to the tiles.
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator, in log2
+units here) join where a row's softmax is finished: :func:`_with_sink` before a direct
+store, or the reduce kernel over the split partials.
 
 Triton decides at decoration time whether a kernel is compiled or interpreted: on CPU
 tensors these kernels need ``TRITON_INTERPRET=1`` set before this module is imported.
@@ -94,6 +97,15 @@ def _attend(q, qpos, row_lo, K, V, KS, VS, bt_row, k_start, k_end, h, qk_scale,
 
 
 @triton.jit
+def _with_sink(acc, l, m, sink):
+    """The rows' (acc, l, m) with ``sink`` [ROWS] (log2 units) added to the softmax's
+    denominator, rescaled to the larger of m and the sink."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    return acc * alpha[:, None], l * alpha + tl.exp2(sink - m_new), m_new
+
+
+@triton.jit
 def _finish(acc, l, m, out_ptrs, omask, lse_ptrs, rmask, DIRECT: tl.constexpr):
     """Store acc / l (zeros where l == 0) and, unless DIRECT, the row's log2-sum-exp."""
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -104,15 +116,17 @@ def _finish(acc, l, m, out_ptrs, omask, lse_ptrs, rmask, DIRECT: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, KS, VS, BT, CTX, BEGIN, OUT, LSE, qk_scale, window, max_blocks,
-                   HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def _decode_kernel(Q, K, V, KS, VS, BT, CTX, BEGIN, OUT, LSE, SINKS, qk_scale, window,
+                   max_blocks, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_BASE: tl.constexpr,
                    NUM_SLOTS: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr,
-                   HAS_BEGIN: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr):
+                   HAS_BEGIN: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Program (row b, kv head h, split s): the G query heads of h over split s of row b's
-    keys [lo, ctx). DIRECT writes OUT [B, HQ, D]; otherwise OUT is the partial buffer
-    [B, HQ, NUM_SLOTS, D] (fp32) and LSE [B, HQ, NUM_SLOTS] at slot SPLIT_BASE + s."""
+    keys [lo, ctx). DIRECT writes OUT [B, HQ, D] (with the SINKS [HQ] when HAS_SINKS);
+    otherwise OUT is the partial buffer [B, HQ, NUM_SLOTS, D] (fp32) and LSE
+    [B, HQ, NUM_SLOTS] at slot SPLIT_BASE + s."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     ctx = tl.load(CTX + b)
@@ -137,6 +151,8 @@ def _decode_kernel(Q, K, V, KS, VS, BT, CTX, BEGIN, OUT, LSE, qk_scale, window, 
                         k_end, h, qk_scale, HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_H, FP8, DOT)
     omask = rmask[:, None] & (offs_d[None, :] < D)
     if DIRECT:
+        if HAS_SINKS:
+            acc, l, m = _with_sink(acc, l, m, tl.load(SINKS + heads, mask=rmask, other=0.0))
         out_ptrs = OUT + b * HQ * D + heads[:, None] * D + offs_d[None, :]
         _finish(acc, l, m, out_ptrs, omask, LSE, rmask, True)
     else:
@@ -187,10 +203,12 @@ def _shared_prefix_kernel(Q, K, V, KS, VS, BT, CTX, OFFSETS, SHARED, PART, LSE, 
 
 
 @triton.jit
-def _reduce_kernel(PART, LSE, OUT, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _reduce_kernel(PART, LSE, OUT, SINKS, HQ: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, NUM_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Program (row b, query head): combine the NUM_SLOTS partial outputs by their log2-sum-
-    exp weights; a row with nothing attended gets zeros."""
+    exp weights, the head's sink in the denominator when HAS_SINKS; a row with nothing
+    attended gets zeros."""
     b, hq = tl.program_id(0), tl.program_id(1)
     row = b * HQ + hq
     offs_s = tl.arange(0, BLOCK_S)
@@ -198,22 +216,28 @@ def _reduce_kernel(PART, LSE, OUT, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: t
     smask = offs_s < NUM_SLOTS
     lse = tl.load(LSE + row * NUM_SLOTS + offs_s, mask=smask, other=float("-inf"))
     mx = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + hq)
+        mx = tl.maximum(mx, sink)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
     part = tl.load(PART + (row * NUM_SLOTS + offs_s[:, None]) * D + offs_d[None, :],
                    mask=smask[:, None] & (offs_d[None, :] < D), other=0.0)
     tot = tl.sum(w, 0)
+    if HAS_SINKS:
+        tot += tl.exp2(sink - mx)
     o = tl.sum(part * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
     tl.store(OUT + row * D + offs_d, o.to(OUT.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, KS, VS, BT, OUT, qk_scale, window, start, T,
+def _prefill_kernel(Q, K, V, KS, VS, BT, OUT, SINKS, qk_scale, window, start, T,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-                    DOT: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                    DOT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (query tile i, kv head h): BLOCK_M query positions x the G query heads of h
-    (rows = BLOCK_M * G_PAD) over the paged prefix and the chunk, causal."""
+    (rows = BLOCK_M * G_PAD) over the paged prefix and the chunk, causal (the SINKS [HQ]
+    in each row's denominator when HAS_SINKS)."""
     i, h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HQ // HKV
     ROWS: tl.constexpr = BLOCK_M * G_PAD
@@ -234,6 +258,8 @@ def _prefill_kernel(Q, K, V, KS, VS, BT, OUT, qk_scale, window, start, T,
                 mask=rmask[:, None] & (offs_d[None, :] < D), other=0)
     acc, l, m = _attend(q, qpos, row_lo, K, V, KS, VS, BT, k_start, k_end, h, qk_scale,
                         HKV, D, BLOCK_SIZE, BLOCK_N, BLOCK_D, ROWS, FP8, DOT)
+    if HAS_SINKS:
+        acc, l, m = _with_sink(acc, l, m, tl.load(SINKS + heads, mask=rmask, other=0.0))
     out_ptrs = OUT + t[:, None] * HQ * D + heads[:, None] * D + offs_d[None, :]
     _finish(acc, l, m, out_ptrs, rmask[:, None] & (offs_d[None, :] < D), OUT, rmask, True)
 
@@ -287,8 +313,15 @@ def _launch_opts(q) -> dict:
     return {}
 
 
+def _sinks(sinks, q):
+    """(pointer, HAS_SINKS): the sinks in log2 units as fp32, or q (never read)."""
+    if sinks is None:
+        return q, False
+    return (sinks.detach().float() * LOG2E).contiguous(), True
+
+
 def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale, window,
-           k_scale, v_scale, num_splits, groups):
+           k_scale, v_scale, num_splits, groups, sinks=None):
     """See ``attention_kernels.paged_decode``; ``groups`` is a PrefixGroups or None."""
     _check_device(q)
     B, HQ, D = q.shape
@@ -306,10 +339,12 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale
                   **_launch_opts(q))
     qk_scale, win, nb = scale * LOG2E, int(window or 0), bt.shape[1]
     blk_h = max(16, _pow2(HQ // HKV))
+    sk, has_sinks = _sinks(sinks, q)
     if groups is None and num_splits == 1:
-        _decode_kernel[(B, HKV, 1)](q, K, V, KS, VS, bt, ctx, ctx, out, out, qk_scale, win, nb,
-                                    BLOCK_H=blk_h, NUM_SPLITS=1, SPLIT_BASE=0, NUM_SLOTS=1,
-                                    HAS_BEGIN=False, DIRECT=True, **common)
+        _decode_kernel[(B, HKV, 1)](q, K, V, KS, VS, bt, ctx, ctx, out, out, sk, qk_scale, win,
+                                    nb, BLOCK_H=blk_h, NUM_SPLITS=1, SPLIT_BASE=0, NUM_SLOTS=1,
+                                    HAS_BEGIN=False, DIRECT=True, HAS_SINKS=has_sinks,
+                                    **common)
         return out
     slots = num_splits + (groups is not None)
     part = torch.empty(B, HQ, slots, D, dtype=torch.float32, device=q.device)
@@ -318,12 +353,13 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, *, block_size, scale
     if groups is not None:
         begin = _shared_prefix(q, K, V, KS, VS, bt, ctx, groups, part, lse, qk_scale, win,
                                slots, common)
-    _decode_kernel[(B, HKV, num_splits)](q, K, V, KS, VS, bt, ctx, begin, part, lse, qk_scale,
-                                         win, nb, BLOCK_H=blk_h, NUM_SPLITS=num_splits,
-                                         SPLIT_BASE=slots - num_splits, NUM_SLOTS=slots,
-                                         HAS_BEGIN=groups is not None, DIRECT=False, **common)
-    _reduce_kernel[(B, HQ)](part, lse, out, HQ=HQ, D=D, BLOCK_D=_pow2(D), NUM_SLOTS=slots,
-                            BLOCK_S=_pow2(slots))
+    _decode_kernel[(B, HKV, num_splits)](q, K, V, KS, VS, bt, ctx, begin, part, lse, sk,
+                                         qk_scale, win, nb, BLOCK_H=blk_h,
+                                         NUM_SPLITS=num_splits, SPLIT_BASE=slots - num_splits,
+                                         NUM_SLOTS=slots, HAS_BEGIN=groups is not None,
+                                         DIRECT=False, HAS_SINKS=False, **common)
+    _reduce_kernel[(B, HQ)](part, lse, out, sk, HQ=HQ, D=D, BLOCK_D=_pow2(D), NUM_SLOTS=slots,
+                            BLOCK_S=_pow2(slots), HAS_SINKS=has_sinks)
     return out
 
 
@@ -342,7 +378,7 @@ def _shared_prefix(q, K, V, KS, VS, bt, ctx, groups, part, lse, qk_scale, win, s
 
 
 def prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale, window, k_scale,
-            v_scale):
+            v_scale, sinks=None):
     """See ``attention_kernels.paged_prefill``."""
     _check_device(q)
     T, HQ, D = q.shape
@@ -354,9 +390,11 @@ def prefill(q, k_cache, v_cache, block_table, start, *, block_size, scale, windo
     g_pad = _pow2(HQ // HKV)
     rows = 64 if _gpu(q) else 16
     block_m = max(1, rows // g_pad)
+    sk, has_sinks = _sinks(sinks, q)
     _prefill_kernel[(triton.cdiv(T, block_m), HKV)](
-        q.contiguous(), K, V, KS, VS, block_table.contiguous(), out, scale * LOG2E,
+        q.contiguous(), K, V, KS, VS, block_table.contiguous(), out, sk, scale * LOG2E,
         int(window or 0), int(start), T, HQ=HQ, HKV=HKV, D=D, BLOCK_SIZE=block_size,
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=_block_n(q), BLOCK_D=_pow2(D), FP8=fp8,
-        DOT=_dot_dtype(q), HAS_WINDOW=window is not None, **_launch_opts(q))
+        DOT=_dot_dtype(q), HAS_WINDOW=window is not None, HAS_SINKS=has_sinks,
+        **_launch_opts(q))
     return out

@@ -39,6 +39,8 @@ class ModelShape:
     shared_experts: int = 0
     total_override: int | None = None
     fused_projections: bool = False  # Phi-3/4: one qkv_proj and one gate_up_proj per layer
+    # gpt-oss: biases on q/k/v/o, the router and every expert projection, a sink per head
+    biases: bool = False
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab"):
@@ -51,10 +53,13 @@ class ModelShape:
 
     @property
     def attn_params(self) -> int:
-        """q, k, v, o projections of one layer (no biases; they are noise at this scale)."""
+        """q, k, v, o projections of one layer (biases and sinks with ``biases`` only;
+        elsewhere they are noise at this scale)."""
         q = self.hidden * self.num_heads * self.head_dim
         kv = 2 * self.hidden * self.num_kv_heads * self.head_dim
-        return 2 * q + kv
+        extra = self.num_heads * (self.head_dim + 1) + self.kv_dim * 2 + self.hidden \
+            if self.biases else 0
+        return 2 * q + kv + extra
 
     @property
     def dense_mlp_params(self) -> int:
@@ -68,8 +73,9 @@ class ModelShape:
         """All routed experts of one layer plus the router (0 for dense)."""
         if not self.is_moe:
             return 0
-        return self.num_experts * 3 * self.hidden * self.expert_intermediate \
-            + self.hidden * self.num_experts
+        bias = 2 * self.expert_intermediate + self.hidden + 1 if self.biases else 0
+        return self.num_experts * (3 * self.hidden * self.expert_intermediate + self.hidden
+                                   + bias)
 
     @property
     def embed_params(self) -> int:
@@ -138,8 +144,8 @@ class ModelShape:
 
 def from_config(cfg: dict, name: str = "config") -> ModelShape:
     """Shape from a Hugging Face ``config.json`` dict (Llama, Qwen2/3, Mistral, Mixtral,
-    Qwen2/3-MoE, DeepSeek-ish). A Qwen2-MoE shared expert of width S counts as S / (expert
-    width) shared experts."""
+    Qwen2/3-MoE, gpt-oss, DeepSeek-ish). A Qwen2-MoE shared expert of width S counts as
+    S / (expert width) shared experts."""
     c = cfg.get("text_config", cfg)
     try:
         hidden = int(c["hidden_size"])
@@ -163,6 +169,7 @@ def from_config(cfg: dict, name: str = "config") -> ModelShape:
         experts_per_token=int(c.get("num_experts_per_tok") or (2 if experts else 0)),
         expert_intermediate=width, shared_experts=shared,
         fused_projections=c.get("model_type") == "phi3",
+        biases=c.get("model_type") == "gpt_oss",
     )
 
 

@@ -42,11 +42,23 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-def _capped_attention(q, k, v, mask, scale: float, cap: float, exact: bool,
-                      enable_gqa: bool) -> torch.Tensor:
-    """Attention with soft-capped scores, which SDPA cannot express: transformers' eager
-    attention (scores scaled, capped, masked; softmax in fp32, cast back to q's dtype before
-    the product with v), in fp64 for fp32 CPU inputs with ``exact``. Shapes as in sdpa."""
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim of scores ``s``; with ``sinks`` (gpt-oss: one logit per
+    query row, broadcastable to ``s.shape[:-1]``) each row's sink joins the denominator
+    and its probability is dropped (transformers' eager gpt-oss attention)."""
+    if sinks is None:
+        return torch.softmax(s, -1, dtype=dtype)
+    sink = sinks.to(s.dtype)[..., None].expand(*s.shape[:-1], 1)
+    return torch.softmax(torch.cat([s, sink], -1), -1, dtype=dtype)[..., :-1]
+
+
+def _explicit_attention(q, k, v, mask, scale: float, cap: float | None, exact: bool,
+                        enable_gqa: bool, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with soft-capped scores or sinks, which SDPA cannot express: transformers'
+    eager attention (scores scaled, capped, masked; softmax in fp32, with the sinks in its
+    denominator, cast back to q's dtype before the product with v), in fp64 for fp32 CPU
+    inputs with ``exact``. Shapes as in sdpa."""
     dt = q.dtype
     if enable_gqa and k.shape[-3] != q.shape[-3]:  # each kv head serves its group of q heads
         rep = q.shape[-3] // k.shape[-3]
@@ -57,13 +69,13 @@ def _capped_attention(q, k, v, mask, scale: float, cap: float, exact: bool,
     s = soft_cap((q @ k.transpose(-1, -2)) * scale, cap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    p = torch.softmax(s, -1, dtype=torch.float64 if wide else torch.float32).to(q.dtype)
+    p = softmax_with_sinks(s, sinks, torch.float64 if wide else torch.float32).to(q.dtype)
     return (p @ v).to(dt)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
          scale: float, exact: bool = True, enable_gqa: bool = False,
-         softcap: float | None = None) -> torch.Tensor:
+         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on [..., H, T, D]; with ``exact``, fp32 inputs on
     a CPU are computed in fp64 and rounded back to fp32.
 
@@ -75,10 +87,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     a rollout's logprobs are the trainer's to the bit wherever the rest of the model
     is row-invariant (docs/moe.md, "Routing replay").
 
-    ``softcap``: the scores soft-capped before the mask (Gemma 2), computed without SDPA
-    (``_capped_attention``)."""
-    if softcap is not None:
-        return _capped_attention(q, k, v, mask, scale, softcap, exact, enable_gqa)
+    ``softcap``: the scores soft-capped before the mask (Gemma 2); ``sinks``: a logit per
+    query row in each softmax's denominator (gpt-oss; broadcastable to [..., H, T]), both
+    computed without SDPA (``_explicit_attention``: the [..., H, T, S] scores exist)."""
+    if softcap is not None or sinks is not None:
+        return _explicit_attention(q, k, v, mask, scale, softcap, exact, enable_gqa, sinks)
     if exact and q.dtype == torch.float32 and q.device.type == "cpu":
         out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                              attn_mask=mask, scale=scale,
@@ -90,13 +103,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            allowed: torch.Tensor, scale: float,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per row over its gathered context, fp32 in and out, computed in fp64
     (what :func:`sdpa` with ``exact`` gives, to the rounding of the fp32 result).
 
     q: [B, Hkv, G, D] (the G query heads of a kv head as G queries of it); k, v: [B, C, Hkv, D]
     as gathered from a slot-major cache; allowed: bool, broadcastable to [B, Hkv, G, C]
-    (every row allows at least one key). Returns [B, Hkv, G, D].
+    (every row allows at least one key); sinks (gpt-oss): [Hkv, G]. Returns [B, Hkv, G, D].
 
     Why not ``sdpa``: at a decode step's shapes (a few queries per head) two batched fp64
     GEMMs over the [B * Hkv] heads and a softmax, with the transposes folded into the fp64
@@ -111,16 +125,17 @@ def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     s = torch.bmm(q.reshape(b * hkv, g, d).double(), k64.view(b * hkv, c, d).transpose(1, 2))
     s = soft_cap(s.view(b, hkv, g, c).mul_(scale), softcap)  # (Gemma 2: capped scores)
     s = s.masked_fill_(~allowed, float("-inf"))
-    p = torch.softmax(s, -1).view(b * hkv, g, c)
+    p = softmax_with_sinks(s, sinks, torch.float64).view(b * hkv, g, c)
     return torch.bmm(p, v64.view(b * hkv, c, d)).view(b, hkv, g, d).float()
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, scale: float, exact: bool = True,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, T, Hq, D], k/v: [B, S, Hkv, D], mask: [B, 1, T, S] -> [B, T, Hq, D].
-    ``exact``, ``softcap``: see :func:`sdpa`."""
+    ``exact``, ``softcap``: see :func:`sdpa`; ``sinks``: [Hq] (gpt-oss)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = sdpa(q, k, v, mask, scale, exact, enable_gqa=q.shape[1] != k.shape[1],
-               softcap=softcap)
+               softcap=softcap, sinks=None if sinks is None else sinks[:, None])
     return out.transpose(1, 2)

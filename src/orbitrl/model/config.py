@@ -1,6 +1,6 @@
 """Decoder shape read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3,
 SmolLM3, OLMo 2 / OLMo 3, Gemma 2 / Gemma 3 text, Phi-3 / Phi-4, and the mixture-of-experts
-families Mixtral, Qwen2-MoE, Qwen3-MoE: see ``moe.py``; docs/models.md).
+families Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss: see ``moe.py``; docs/models.md).
 
 Gemma 2 (``gemma2``) and Gemma 3's text model (``gemma3_text``; not the multimodal
 ``gemma3``) add: (1 + w) RMSNorms in fp32, embeddings scaled by sqrt(hidden_size), the
@@ -16,6 +16,11 @@ Phi-3 / Phi-4 (``phi3``) keep their fused ``qkv_proj`` (q, k, v rows stacked) an
 name them, so weights, LoRA adapters and exports map one to one; only the first
 ``partial_rotary_factor`` share of each head rotates (Phi-4-mini: 0.75); no biases; a
 ``sliding_window`` applies to every layer; ``su`` and ``yarn`` rope types are its longrope.
+
+gpt-oss (``gpt_oss``): a learned logit per query head (``sinks``) joins each softmax's
+denominator, sliding and full layers alternate (``layer_types``), q/k/v/o carry biases, yarn
+rotary; its experts (biased, clamped SwiGLU) and router are in ``moe.py``. Its MXFP4
+checkpoints (``quantization_config``) are refused: the loader reads unquantized tensors.
 
 Rope types (``rope_parameters`` / ``rope_scaling``, computed in ``rope.py``): default,
 linear, llama3, yarn, longrope, dynamic. llama3 / yarn / longrope read
@@ -48,12 +53,17 @@ FAMILIES = {
     "phi3": (False, False),  # fused qkv_proj / gate_up_proj, partial rotary, longrope
     "gemma2": (False, False),  # (1+w) norms around both sublayers, soft-capping, scaled embeddings
     "gemma3_text": (False, True),  # gemma2 with q/k norms and a rotary per layer kind
+    "gpt_oss": (True, False),  # attention sinks, alternating sliding layers, biased MoE
 }
 # families whose o_proj bias follows attention_bias (the others have none)
-O_BIAS = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text")
+O_BIAS = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text",
+          "gpt_oss")
 POST_NORM = ("olmo2", "olmo3")
 GEMMA = ("gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+# gpt-oss's rotary when config.json names none (transformers' GptOssConfig default)
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
 
 
 @dataclass
@@ -101,6 +111,11 @@ class ModelConfig:
     # cap * tanh(x / cap) on the attention scores / the output logits (None: off)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # gpt-oss: each attention layer holds a learned logit per query head (``sinks``) that
+    # joins the softmax's denominator and attends to nothing; its norms multiply by their
+    # weight in fp32 and round once (transformers' GptOssRMSNorm)
+    attn_sinks: bool = False
+    norm_fp32_product: bool = False
     # Gemma 3: the rotary parameters of the sliding layers (local_rope_layers), the others
     # taking rope_theta / rope_type / rope_params; None: one rotary for every layer
     local_rope: dict | None = None
@@ -150,7 +165,7 @@ class ModelConfig:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += (2 * d if self.qk_norm else 0) + (h if self.o_bias else 0)
-        attn += (q + kv if self.qk_norm_full else 0)
+        attn += (q + kv if self.qk_norm_full else 0) + (self.num_heads if self.attn_sinks else 0)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         ffn = self.num_layers * mlp
         if self.moe is not None:  # sparse layers hold experts, a router (and a shared expert)
@@ -171,6 +186,11 @@ class ModelConfig:
             arch = hf.get("architectures") or [mt]
             raise OrbitError(f"{source}: unsupported architecture {arch[0]!r} (model_type "
                              f"{mt!r}); supported model_type: {', '.join(FAMILIES)}")
+        if hf.get("quantization_config"):
+            method = (hf["quantization_config"] or {}).get("quant_method", "?")
+            raise OrbitError(f"{source}: quantization_config ({method}) is not supported: "
+                             "orbitrl reads unquantized weights; use the dequantized bf16 "
+                             "checkpoint (model.base_dtype quantizes it at load)")
         qkv_default, qk_norm = FAMILIES[mt]
         try:
             heads = hf["num_attention_heads"]
@@ -183,9 +203,10 @@ class ModelConfig:
         act = _activation(hf, mt, source)
         gemma = _gemma(hf, mt, n_layers, source)  # {} for the other families
         rope = _one_rope(gemma.pop("rope", None) or
-                         dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}),
-                         source, mt)
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+                         dict(hf.get("rope_parameters") or hf.get("rope_scaling") or
+                              (GPT_OSS_ROPE if mt == "gpt_oss" else {})), source, mt)
+        theta = rope.get("rope_theta", hf.get("rope_theta",
+                                              150000.0 if mt == "gpt_oss" else 10000.0))
         rope, rope_type = _rope_scaling(hf, mt, rope)
         if rope_type not in ROPE_TYPES:
             raise OrbitError(f"{source}: unsupported rope type {rope_type!r} "
@@ -210,13 +231,15 @@ class ModelConfig:
             rope_type=rope_type, rope_params=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             qkv_bias=qkv_bias,
-            o_bias=bool(hf.get("attention_bias", False)) if mt in O_BIAS else False,
+            o_bias=bool(hf.get("attention_bias", qkv_default)) if mt in O_BIAS else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if mt in ("llama", "smollm3") else False,
             qk_norm=qk_norm, qk_norm_full=mt in POST_NORM, post_norm=mt in POST_NORM,
             rope_layers=_rope_layers(hf, mt, n_layers, source),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                             mt in ("smollm3",) + GEMMA)),
-            hidden_act=act, sliding_windows=windows, bos_token_id=hf.get("bos_token_id"),
+            hidden_act=act, sliding_windows=windows, attn_sinks=mt == "gpt_oss",
+            norm_fp32_product=mt == "gpt_oss",
+            bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"), moe=moe, hf=hf, **gemma, **phi, **kw)
 
     @classmethod
@@ -405,8 +428,11 @@ def _rope_layers(hf: dict, mt: str, n_layers: int, source: str) -> list:
 def _sliding_windows(hf: dict, mt: str, n_layers: int) -> list:
     """Per-layer sliding window, following each family's rule in transformers (Gemma's:
     ``_gemma``)."""
-    window = hf.get("sliding_window")
+    window = hf.get("sliding_window", 128 if mt == "gpt_oss" else None)
     layer_types = hf.get("layer_types")
+    if mt == "gpt_oss" and not layer_types:  # transformers' default: every other layer
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(n_layers)]
     if mt == "smollm3" and not hf.get("use_sliding_window"):
         return [None] * n_layers  # its layer_types apply only with use_sliding_window
     if layer_types:

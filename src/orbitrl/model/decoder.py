@@ -1,9 +1,10 @@
-"""The one decoder (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / OLMo 2-3 / Gemma 2-3, and the
-mixture-of-experts families Mixtral / Qwen2-MoE / Qwen3-MoE through ``moe.py``) that rolls
-out, scores and trains. What sets the families apart is read from ``ModelConfig``: norm
-placement (pre-norm, OLMo's post-norm, Gemma's sandwich), Gemma's (1 + w) norms, scaled
-embeddings, attention scale and soft-capping (``attention.soft_cap``, in every attention path
-and in ``Decoder.head``), and which rotary each layer takes.
+"""The one decoder (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / OLMo 2-3 / Gemma 2-3 / Phi-3,
+and the mixture-of-experts families Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss through
+``moe.py``) that rolls out, scores and trains. What sets the families apart is read from
+``ModelConfig``: norm placement (pre-norm, OLMo's post-norm, Gemma's sandwich), Gemma's
+(1 + w) norms, scaled embeddings, attention scale and soft-capping (``attention.soft_cap``,
+in every attention path and in ``Decoder.head``), gpt-oss's attention sinks (handed to every
+attention path), and which rotary each layer takes.
 
 Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``) so that weights
 and PEFT adapter names map one to one (see ``weights.py``); Phi-3/4 keep their fused
@@ -29,19 +30,23 @@ from orbitrl.model.dtensor import is_dtensor
 from orbitrl.model.moe import Routing, make_ffn
 from orbitrl.model.rope import Rotary, apply_rotary
 
-# (layer_idx, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; rope already applied
-AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer_idx, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> [B,T,Hq,D]; rope already applied;
+# a layer with attention sinks (gpt-oss) also passes ``sinks=`` its [Hq] logits
+AttentionBackend = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
     """``plus_one`` (Gemma): the weight is stored as an offset, ``x_normed * (1 + w)``, both
-    in fp32 and the product rounded to x's dtype (transformers' Gemma RMSNorm)."""
+    in fp32 and the product rounded to x's dtype (transformers' Gemma RMSNorm).
+    ``fp32_product`` (gpt-oss): ``w * x_normed`` in fp32, rounded once to x's dtype (the
+    other families round x_normed first)."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False,
+                 fp32_product: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
-        self.plus_one = plus_one
+        self.plus_one, self.fp32_product = plus_one, fp32_product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -68,6 +73,8 @@ class RMSNorm(nn.Module):
             if dtype != torch.float32:
                 x = x.float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_product and dtype != torch.float32:
+            return (self.weight.float() * x).to(dtype)
         return self.weight * (x if dtype == torch.float32 else x.to(dtype))
 
 
@@ -88,6 +95,8 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
+        # gpt-oss: a logit per query head in the softmax's denominator (attends to nothing)
+        self.sinks = nn.Parameter(torch.empty(self.nh)) if cfg.attn_sinks else None
         self.rotary = cfg.rope_layers[layer_idx]  # False: a NoPE layer (SmolLM3)
         self.full_norm = cfg.qk_norm_full  # OLMo 2/3: norms over the whole projection
         if cfg.qk_norm or cfg.qk_norm_full:
@@ -116,10 +125,11 @@ class Attention(nn.Module):
         elif self.rotary:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if attn is not None:
-            out = attn(self.layer_idx, q, k, v)
+            out = attn(self.layer_idx, q, k, v) if self.sinks is None else \
+                attn(self.layer_idx, q, k, v, sinks=self.sinks)
         else:
             out = dense_attention(q, k, v, masks(self.window), self.scale, masks.exact,
-                                  self.softcap)
+                                  self.softcap, self.sinks)
         return self.o_proj(out.reshape(B, T, self.nh * self.hd))
 
 
@@ -169,7 +179,8 @@ class DecoderLayer(nn.Module):
         self.post_norm, self.sandwich = cfg.post_norm, cfg.sandwich_norm
 
         def norm():
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
+                           cfg.norm_fp32_product)
 
         if cfg.post_norm:  # OLMo 2/3: x + norm(attn(x)), then x + norm(mlp(x))
             self.post_feedforward_layernorm = norm()
@@ -204,7 +215,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one,
+                            cfg.norm_fp32_product)
 
 
 class _Masks:

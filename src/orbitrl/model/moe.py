@@ -1,4 +1,5 @@
-"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE) and routing I/O.
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) and
+routing I/O.
 
 A sparse layer holds a router (``gate``: one logit per expert), ``num_experts`` SwiGLU
 experts and, for Qwen2-MoE, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
@@ -6,6 +7,12 @@ Every token runs its top-k experts, weighted by the router's softmax at those ex
 (renormalised over the k for Mixtral, and for Qwen when ``norm_topk_prob``). Module names are
 the checkpoints' (``mlp.experts.3.up_proj``, Mixtral's ``block_sparse_moe.experts.3.w3``), so
 loading, export, frozen formats and LoRA treat each expert projection as one more linear.
+
+gpt-oss: the router (``router``) has a bias and its weights are a softmax over the k largest
+logits; experts have biases and a clamped SwiGLU (:func:`clamped_swiglu`). Its checkpoints
+store each layer's experts fused (``mlp.experts.gate_up_proj`` and the rest); the loader
+splits them into the same per-expert projections (``mlp.experts.3.gate_proj``) and export
+fuses them back (``weights.py``).
 
 Experts are computed grouped: the (token, slot) pairs are sorted by expert once, and each
 active expert runs one matmul chain over its contiguous slice; inactive experts are never
@@ -32,10 +39,11 @@ import torch.nn.functional as F
 from orbitrl.errors import OrbitError
 from orbitrl.model.quant import FrozenLinear
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-# projection names (gate, up, down) of one expert, per family
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+# projection names (gate, up, down) of one expert, per family (gpt-oss: ours, see weights.py)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
-                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
 # a routed expert's projection, by module name (LoRA leaves these out unless asked)
 ROUTED_EXPERT = re.compile(r".*\.(mlp|block_sparse_moe)\.experts\.\d+\.\w+$")
 
@@ -53,17 +61,21 @@ class MoEConfig:
     norm_topk_prob: bool
     shared_intermediate: int = 0
     sparse_layers: tuple = ()
+    bias: bool = False  # gpt-oss: the router and every expert projection have biases
+    swiglu: tuple | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU
+    softmax_topk: bool = False  # gpt-oss: the weights are a softmax over the k chosen logits
 
     @classmethod
     def from_hf(cls, hf: dict, mt: str, n_layers: int, source: str) -> "MoEConfig | None":
         """None for dense families; a one-line OrbitError naming the key otherwise."""
         if mt not in MOE_FAMILIES:
             return None
-        key = "num_local_experts" if mt == "mixtral" else "num_experts"
+        local = mt in ("mixtral", "gpt_oss")  # num_local_experts, as wide as intermediate_size
+        key = "num_local_experts" if local else "num_experts"
         experts = hf.get(key, hf.get("num_local_experts"))
-        width = hf.get("intermediate_size") if mt == "mixtral" else hf.get("moe_intermediate_size")
+        width = hf.get("intermediate_size") if local else hf.get("moe_intermediate_size")
         need = {key: experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
-                "intermediate_size" if mt == "mixtral" else "moe_intermediate_size": width}
+                "intermediate_size" if local else "moe_intermediate_size": width}
         if mt == "qwen2_moe":
             need["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size")
         for k, v in need.items():
@@ -78,21 +90,38 @@ class MoEConfig:
         step = hf.get("decoder_sparse_step", 1) or 1
         dense = set(hf.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        gpt = mt == "gpt_oss"
+        swiglu = None
+        if gpt:
+            swiglu = (hf.get("swiglu_alpha", 1.702), hf.get("swiglu_limit", 7.0))
+            for k, v in zip(("swiglu_alpha", "swiglu_limit"), swiglu):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise OrbitError(f"{source}: key {k!r} must be a positive number, got {v!r}")
+            swiglu = tuple(float(v) for v in swiglu)
         return cls(mt, experts, need["num_experts_per_tok"], width,
-                   True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-                   need.get("shared_expert_intermediate_size", 0), sparse)
+                   local or bool(hf.get("norm_topk_prob", False)),
+                   need.get("shared_expert_intermediate_size", 0), sparse, bias=gpt,
+                   swiglu=swiglu, softmax_topk=gpt)
 
     @property
     def ffn_attr(self) -> str:
         """The layer attribute holding the feed-forward (Mixtral's checkpoints name it so)."""
         return "block_sparse_moe" if self.family == "mixtral" else "mlp"
 
+    @property
+    def router_attr(self) -> str:
+        """The sparse layer attribute holding the router (the checkpoints' name)."""
+        return "router" if self.family == "gpt_oss" else "gate"
+
     def ffn_params(self, layer: int, hidden: int, dense_params: int) -> int:
-        """Parameters of layer ``layer``'s feed-forward (router and shared expert included)."""
+        """Parameters of layer ``layer``'s feed-forward (router, biases and shared expert
+        included)."""
         if layer not in self.sparse_layers:
             return dense_params
         shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
-        return self.num_experts * (3 * hidden * self.expert_intermediate + hidden) + shared
+        w = self.expert_intermediate
+        bias = 2 * w + hidden + 1 if self.bias else 0  # gate, up, down and a router logit
+        return self.num_experts * (3 * hidden * w + hidden + bias) + shared
 
 
 # ---- routing I/O ------------------------------------------------------------------------
@@ -185,18 +214,22 @@ def replay_routing(model, replay: torch.Tensor | None, aux: bool = False) -> Rou
 
 # ---- routing and experts ------------------------------------------------------------------
 
-def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None = None):
+def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None = None,
+          softmax_topk: bool = False):
     """Top-k routing from router logits [N, E]: softmax in fp32, the k largest (or the given
-    ``ids`` [N, k], -1 = choose), renormalised over the k when ``norm``. Returns
-    (ids [N, k] long, weights [N, k] in the logits' dtype)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ``ids`` [N, k], -1 = choose), renormalised over the k when ``norm``; with
+    ``softmax_topk`` (gpt-oss, as transformers computes it) the k largest logits, then a
+    softmax over those k. Returns (ids [N, k] long, weights [N, k] in the logits' dtype)."""
+    probs = logits if softmax_topk else torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if ids is not None:
         ids = ids.to(device=logits.device, dtype=torch.long)
         free = (ids < 0).any(-1, keepdim=True)
         top_i = torch.where(free, top_i, ids)
         top_w = probs.gather(1, top_i)
-    if norm:
+    if softmax_topk:
+        top_w = torch.softmax(top_w, dim=-1, dtype=torch.float32)
+    elif norm:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_i, top_w.to(logits.dtype)
 
@@ -294,19 +327,33 @@ def _gather_padded(x: torch.Tensor, token_p: torch.Tensor, padding) -> torch.Ten
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert: down(silu(gate(x)) * up(x)), projections named per family."""
+    """One SwiGLU expert: down(silu(gate(x)) * up(x)), projections named per family.
+    gpt-oss's: projections with biases and ``swiglu`` = (alpha, limit) of
+    :func:`clamped_swiglu` in place of silu."""
 
-    def __init__(self, hidden: int, width: int, names: tuple[str, str, str]):
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str],
+                 bias: bool = False, swiglu: tuple | None = None):
         super().__init__()
-        self.names = names
+        self.names, self.swiglu = names, swiglu
         gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden, width, bias=False))
-        setattr(self, up, nn.Linear(hidden, width, bias=False))
-        setattr(self, down, nn.Linear(width, hidden, bias=False))
+        setattr(self, gate, nn.Linear(hidden, width, bias=bias))
+        setattr(self, up, nn.Linear(hidden, width, bias=bias))
+        setattr(self, down, nn.Linear(width, hidden, bias=bias))
 
     def forward(self, x):
         gate, up, down = (_call(getattr(self, n)) for n in self.names)
+        if self.swiglu is not None:
+            return down(clamped_swiglu(gate(x), up(x), *self.swiglu))
         return down(silu_rows(gate(x)) * up(x))
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """gpt-oss's activation (transformers' ``GptOssExperts._apply_gate``): the gate clamped
+    above at ``limit``, up to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``;
+    the sigmoid row by row on a CPU (:func:`silu_rows`), the rest rounds alike anyway."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * _by_rows(torch.sigmoid, gate * alpha))
 
 
 def silu_rows(g: torch.Tensor) -> torch.Tensor:
@@ -315,10 +362,15 @@ def silu_rows(g: torch.Tensor) -> torch.Tensor:
     ``exp`` instead of the vectorised one (ulps apart), so a row's result depends on how
     many rows precede it. Over a view with a gap after each row the loop runs row by
     row, and every row splits the same way (the stacked experts' gate is such a view)."""
+    return _by_rows(F.silu, g)
+
+
+def _by_rows(fn, g: torch.Tensor) -> torch.Tensor:
+    """An elementwise ``fn(g)`` run row by row on a CPU (see :func:`silu_rows`)."""
     w = g.shape[-1]
     if g.device.type != "cpu" or w % 32 == 0 or g.dim() < 2:
-        return F.silu(g)
-    return F.silu(F.pad(g, (0, 1))[..., :w])
+        return fn(g)
+    return fn(F.pad(g, (0, 1))[..., :w])
 
 
 def _call(lin):
@@ -332,15 +384,17 @@ def _call(lin):
 
 
 class Router(nn.Module):
-    """The router's weight [E, H] (``gate.weight``). Not an ``nn.Linear``: it is neither
-    quantized nor adapted (a routing decision should not move through a low-rank delta)."""
+    """The router's weight [E, H] (``gate.weight``; gpt-oss: ``router.weight`` and a bias
+    [E]). Not an ``nn.Linear``: it is neither quantized nor adapted (a routing decision
+    should not move through a low-rank delta)."""
 
-    def __init__(self, hidden: int, num_experts: int):
+    def __init__(self, hidden: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_parameter("bias", nn.Parameter(torch.empty(num_experts)) if bias else None)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoE(nn.Module):
@@ -355,10 +409,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         m: MoEConfig = cfg.moe
         self.moe_index, self.top_k, self.norm = moe_index, m.top_k, m.norm_topk_prob
+        self.softmax_topk = m.softmax_topk
         h = cfg.hidden_size
-        self.gate = Router(h, m.num_experts)
+        self.router_attr = m.router_attr  # "gate" ("router": gpt-oss)
+        setattr(self, m.router_attr, Router(h, m.num_experts, m.bias))
         names = _EXPERT_NAMES[m.family]
-        self.experts = nn.ModuleList(Expert(h, m.expert_intermediate, names)
+        self.experts = nn.ModuleList(Expert(h, m.expert_intermediate, names, m.bias, m.swiglu)
                                      for _ in range(m.num_experts))
         if m.shared_intermediate:
             self.shared_expert = Expert(h, m.shared_intermediate, names)
@@ -370,11 +426,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
+        logits = self._modules[self.router_attr](x)
         replay = None
         if routing is not None and routing.replay is not None:
             replay = routing.replay[self.moe_index]
-        ids, w = route(logits, self.top_k, self.norm, replay)
+        ids, w = route(logits, self.top_k, self.norm, replay, self.softmax_topk)
         if routing is not None:
             if routing.record:
                 routing.chosen[self.moe_index] = ids.detach()
@@ -427,6 +483,8 @@ def pack_experts(model) -> int:
 
 def _pack(block: "SparseMoE") -> bool:
     lins = [[getattr(ex, name) for name in ex.names] for ex in block.experts]
+    if block.experts[0].swiglu is not None:  # gpt-oss: biases, another activation
+        return False
     if not all(type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32 for row in lins for m in row):
         return False

@@ -4,6 +4,13 @@ Loading builds the model on the meta device, then assigns each tensor from the
 memory-mapped safetensors shards one at a time (converted to the target dtype and device):
 the full weights never exist twice. ``on_tensor`` lets a caller transform a tensor as it
 streams by (e.g. quantize a frozen linear weight shard by shard).
+
+gpt-oss checkpoints hold each layer's experts as four fused tensors (transformers'
+``GptOssExperts``): ``gate_up_proj`` [E, H, 2I] with the gate and up columns interleaved
+(gate at even columns), ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H] and
+``down_proj_bias`` [E, H], applied as ``x @ W + b``. Loading splits them into each expert's
+``gate_proj`` / ``up_proj`` / ``down_proj`` linears ([out, in] weights, ``split_experts``);
+export fuses them back (``fuse_experts``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ _HF_NAMES = [
     r"model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w1|w2|w3)\.weight",
     r"model\.layers\.\d+\.mlp\.shared_expert\.(gate|up|down)_proj\.weight",
     r"model\.layers\.\d+\.mlp\.shared_expert_gate\.weight",
+    # gpt-oss: attention sinks, a router with a bias, fused experts (split_experts)
+    r"model\.layers\.\d+\.self_attn\.sinks",
+    r"model\.layers\.\d+\.mlp\.router\.(weight|bias)",
+    r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?",
 ]
 _HF_RE = re.compile("|".join(f"(?:{p})" for p in _HF_NAMES))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -66,6 +77,50 @@ def hf_to_ours(name: str) -> Optional[str]:
     if not _HF_RE.fullmatch(name):
         raise KeyError(name)
     return name
+
+
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def split_experts(cfg: ModelConfig, key: str, t: torch.Tensor, source) -> list | None:
+    """gpt-oss: a fused expert tensor as (our name, tensor) per expert projection, weights
+    [out, in] and contiguous; None for any other key. A shape other than config.json's
+    is a one-line OrbitError."""
+    m = _FUSED.fullmatch(key) if cfg.model_type == "gpt_oss" else None
+    if m is None:
+        return None
+    base, proj, bias = m.groups()
+    e, h, w = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.expert_intermediate
+    want = {"gate_up_proj": (e, h, 2 * w), "down_proj": (e, w, h)}[proj]
+    want = (want[0], want[2]) if bias else want
+    if tuple(t.shape) != want:
+        raise OrbitError(f"{source}: weight {key!r} has shape {tuple(t.shape)}, config.json "
+                         f"implies {want}")
+    leaf = "bias" if bias else "weight"
+    out = []
+    for i in range(e):
+        x = t[i] if bias else t[i].t()  # [2I] / [2I, H], or [H] / [H, I]
+        parts = {"down_proj": x} if proj == "down_proj" else {"gate_proj": x[0::2],
+                                                                "up_proj": x[1::2]}
+        out += [(f"{base}.{i}.{p}.{leaf}", y.contiguous()) for p, y in parts.items()]
+    return out
+
+
+def fuse_experts(cfg: ModelConfig, sd: dict) -> dict:
+    """gpt-oss: each layer's per-expert tensors in ``sd`` replaced by the checkpoint's four
+    fused ones (the inverse of :func:`split_experts`); ``sd`` as it is for other families."""
+    if cfg.model_type != "gpt_oss":
+        return sd
+    for layer in cfg.moe.sparse_layers:
+        base = f"model.layers.{layer}.mlp.experts"
+        for leaf, suffix in (("weight", ""), ("bias", "_bias")):
+            def take(p):
+                ts = [sd.pop(f"{base}.{i}.{p}.{leaf}") for i in range(cfg.moe.num_experts)]
+                return torch.stack(ts if leaf == "bias" else [x.t() for x in ts])
+            gate, up = take("gate_proj"), take("up_proj")  # [E, (H,) I]
+            sd[f"{base}.gate_up_proj{suffix}"] = torch.stack((gate, up), -1).flatten(-2)
+            sd[f"{base}.down_proj{suffix}"] = take("down_proj")
+    return sd
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -137,9 +192,9 @@ def empty_modules():
 
 def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
-               group_size: Optional[int] = None) -> Decoder:
+               group_size: Optional[int] = None, extra: Optional[dict] = None) -> Decoder:
     """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, OLMo 2/3,
-    Gemma 2/3 text; Mixtral, Qwen2-MoE, Qwen3-MoE) into our decoder.
+    Gemma 2/3 text, Phi-3/4; Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) into our decoder.
 
     Args:
         path: directory with config.json and model.safetensors (or an index + shards).
@@ -152,6 +207,10 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
             "bf16", "int8", "nf4", "int4"; see orbitrl.model.quant), quantized one tensor
             at a time as it streams by; None keeps plain trainable ``nn.Linear`` layers.
         group_size: int4 group size (default orbitrl.ledger.formats.INT4_GROUP).
+        extra: a dict that receives the checkpoint's tensors outside ``model.*`` and
+            ``lm_head`` (a sequence classifier's ``score.weight``) as stored, instead of
+            refusing them; a checkpoint without ``lm_head.weight`` (untied) then loads as
+            a backbone: ``lm_head`` is None (hidden states only, no logits).
     Returns:
         The model in eval mode.
     """
@@ -171,36 +230,47 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         try:
             name = hf_to_ours(key)
         except KeyError:
+            if extra is not None and not key.startswith("model."):
+                extra[key] = t
+                continue
             raise OrbitError(f"{f}: unexpected weight {key!r} for a {cfg.model_type} model"
                              ) from None
         if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        if name not in expected:
-            raise OrbitError(f"{f}: weight {key!r} does not exist in this {cfg.model_type} "
-                             "configuration (check attention_bias / qk-norm / layers)")
-        want = tuple(expected[name].shape)
-        if tuple(t.shape) != want:
-            raise OrbitError(f"{f}: weight {key!r} has shape {tuple(t.shape)}, config.json "
-                             f"implies {want}")
-        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        if on_tensor is not None:
-            out = on_tensor(model, name, t)
-            if out is not None:
-                t = out
-        if isinstance(t, nn.Module):
-            replaced.add(name.rpartition(".")[0])
-        _assign(model, name, t)
-        seen.add(name)
+        for name, t in split_experts(cfg, key, t, f) or [(name, t)]:
+            if name not in expected:
+                raise OrbitError(f"{f}: weight {key!r} does not exist in this "
+                                 f"{cfg.model_type} configuration (check attention_bias / "
+                                 "qk-norm / layers)")
+            want = tuple(expected[name].shape)
+            if tuple(t.shape) != want:
+                raise OrbitError(f"{f}: weight {key!r} has shape {tuple(t.shape)}, "
+                                 f"config.json implies {want}")
+            t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+            if on_tensor is not None:
+                out = on_tensor(model, name, t)
+                if out is not None:
+                    t = out
+            if isinstance(t, nn.Module):
+                replaced.add(name.rpartition(".")[0])
+            _assign(model, name, t)
+            seen.add(name)
+    headless = extra is not None and "lm_head.weight" not in seen \
+        and not cfg.tie_word_embeddings
     missing = [n for n in expected if n not in seen
-               and n.rpartition(".")[0] not in replaced]
+               and n.rpartition(".")[0] not in replaced
+               and not (headless and n == "lm_head.weight")]
     if missing:
         raise OrbitError(f"{path}: checkpoint lacks {len(missing)} weight(s), first "
                          f"{missing[0]!r}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if headless:
+        model.lm_head = None
     if base_format is not None:
         quant.finish_frozen(model, path)
-    model.head_column_major()
+    if model.lm_head is not None:
+        model.head_column_major()
     if cfg.moe is not None:  # few rows per expert per call: see moe.pack_experts
 
         pack_experts(model)
@@ -220,6 +290,7 @@ def export_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
             out[f"{mod_name}.{leaf}" if mod_name else leaf] = p.detach()
     if model.config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    out = fuse_experts(model.config, out)
     return {k: v for k, v in out.items() if hf_to_ours_safe(k)}
 
 
@@ -279,7 +350,8 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "phi3": "Phi3ForCausalLM",
-         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+         "gpt_oss": "GptOssForCausalLM"}
 
 
 def _write_atomic(path: Path, write: Callable[[str], None]):
