@@ -1,9 +1,10 @@
 """Every example config runs: two steps of each through `orbitrl train`, its own keys kept
 and only the sizes overridden (steps, prompts, samples, tokens, held-out rows). An example
 written for a real model (a model directory the user fetches) runs on a tiny random model
-of the same family with a chat template, saved here: what is checked is that the config
-does what it says (its reward, environment and data resolve and train), not what it
-learns."""
+of the same family with a chat template, saved here; one that names a reward model
+(``rm:runs/...``) gets one ``orbitrl rm`` trains here on the examples' pairs. What is checked
+is that the config does what it says (its reward, environment and data resolve and train),
+not what it learns."""
 
 import json
 from pathlib import Path
@@ -33,6 +34,26 @@ def chat_model(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """A reward model ``orbitrl rm`` trained on the examples' pairs, for the configs that
+    name one (``rm:runs/...``, which the user trains first, as each header says)."""
+    d = tmp_path_factory.mktemp("rm") / "rm"
+    assert main(["rm", "--data", str(ROOT / "examples/data/rm_pairs.jsonl"), "--out", str(d)]) == 0
+    return d
+
+
+def _reward_models(path: Path, request) -> list[str]:
+    """The reward keys with each ``rm:`` source pointed at the trained ``reward_model``
+    (none for a config without one)."""
+    r = load_config(path).reward
+    if not any(str(n).startswith("rm:") for n in [r.name, *r.extra]):
+        return []
+    rm = request.getfixturevalue("reward_model")
+    sub = lambda n: f"rm:{rm}" if str(n).startswith("rm:") else n  # noqa: E731
+    return [f"reward.name={sub(r.name)}", f"reward.extra=[{', '.join(map(sub, r.extra))}]"]
+
+
 def _overrides(path: Path, chat_model: Path) -> list[str]:
     cfg = load_config(path)
     over = list(SIZE)
@@ -48,10 +69,11 @@ def _overrides(path: Path, chat_model: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path, chat_model, tmp_path, monkeypatch):
+def test_example_runs(path, chat_model, tmp_path, monkeypatch, request):
     monkeypatch.chdir(ROOT)  # examples name their data relative to the repository
     out = tmp_path / "run"
-    sets = [x for o in _overrides(path, chat_model) for x in ("--set", o)]
+    over = _overrides(path, chat_model) + _reward_models(path, request)
+    sets = [x for o in over for x in ("--set", o)]
     assert main(["train", str(path), *sets, "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 2 and 0.0 <= s["heldout_accuracy_after"] <= 1.0

@@ -1,4 +1,4 @@
-"""``orbitrl`` console script: train | sft | generate | plan | eval | export | report |
+"""``orbitrl`` console script: train | sft | rm | generate | plan | eval | export | report |
 check-alignment.
 
 Each subcommand lives in ``orbitrl.commands.<name>`` (dashes as underscores) with ``add_arguments(parser)`` and
@@ -18,6 +18,7 @@ from orbitrl.errors import OrbitError
 COMMANDS = {
     "train": "run RL post-training (GRPO/PPO); no arguments: the built-in task",
     "sft": "supervised fine-tuning on prompt/answer pairs",
+    "rm": "train a reward model on chosen/rejected pairs (Bradley-Terry)",
     "generate": "sample completions for a JSONL file of prompts",
     "plan": "predict memory, bytes moved and step time for a model and cluster",
     "eval": "greedy accuracy of a model (plus adapter) on a task or data file",

@@ -259,14 +259,16 @@ class SandboxSection:
 
 @dataclass
 class RewardSection:
-    name: str = "exact_match"  # registered name, pkg.module:func, or rm:MODEL_DIR
+    name: str = "exact_match"  # registered name, pkg.module:func, or rm:PATH (a reward model: a directory, a Hub id or builtin:NAME; docs/reward_models.md)
     extra: list = field(default_factory=list)  # more reward sources, summed
     weights: list = field(default_factory=list)  # one weight per source (default all 1)
     timeout_s: float = 5.0  # per call; a reward past it scores 0 and is counted
+    rm_batch_size: int = 16  # rm: sources score this many sequences per forward (right-padded)
     strip_thinking: bool = True  # every reward but the format ones scores the reply after the last </think> (a reply that opens <think> and never closes it has none: empty); false: the whole completion
     sandbox: SandboxSection = field(default_factory=SandboxSection)  # code rewards only
 
     def __post_init__(self):
+        _require(self, "reward", ("rm_batch_size",), lambda v: v >= 1, "at least 1")
         self.sandbox.__post_init__()
 
 

@@ -139,3 +139,43 @@ def test_ppo_with_the_critic_network_fits_returns_and_learns(tmp_path):
     assert sum(ev[-4:]) / 4 > sum(ev[:4]) / 4 + 0.03
     assert acc["ppo"] >= acc["grpo"] - 2 / 64
     assert acc["ppo"] > 0.8
+
+
+@pytest.mark.parametrize("mode", ["adapter", "full"])
+def test_critic_starts_from_a_sequence_classifier(tmp_path, mode):
+    """critic.path: a one-label transformers sequence classifier of the policy's vocabulary
+    (as orbitrl rm writes) gives the critic its decoder and the head its score row."""
+    import json
+    import shutil
+
+    import transformers
+
+    from orbitrl.model.builtin import resolve_model_path
+
+    src = resolve_model_path("builtin:tiny-arith")
+    hf = json.loads((src / "config.json").read_text())
+    conf = transformers.AutoConfig.for_model(**{**hf, "num_labels": 1,
+                                                "architectures": None})
+    torch.manual_seed(0)
+    rm = transformers.AutoModelForSequenceClassification.from_config(conf)
+    rm.save_pretrained(tmp_path / "rm")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, tmp_path / "rm" / f.name)
+    tr = make(f"critic.path={tmp_path / 'rm'}", f"critic.mode={mode}")
+    crit = tr.critic.module
+    assert torch.equal(crit.head.weight.detach(), rm.score.weight.detach())
+    want = dict(rm.model.named_parameters())
+    got = {n.removeprefix("model."): p for n, p in crit.decoder.named_parameters()
+           if n.startswith("model.") and "lora_" not in n}
+    name = "layers.0.self_attn.q_proj.weight"
+    mine = got.get(name, got.get(name.replace(".weight", ".base_layer.weight")))
+    if mode == "full":
+        assert torch.equal(mine.detach(), want[name].detach())
+    assert torch.equal(got["embed_tokens.weight"].detach(), want["embed_tokens.weight"].detach())
+    assert tr.step()["step_skipped"] == 0
+    three = transformers.AutoModelForSequenceClassification.from_config(
+        transformers.AutoConfig.for_model(**{**hf, "num_labels": 3, "architectures": None}))
+    three.save_pretrained(tmp_path / "rm3")
+    with pytest.raises(OrbitError, match="3 labels"):
+        make(f"critic.path={tmp_path / 'rm3'}")

@@ -16,9 +16,10 @@ a source. At most `max_workers` calls run at once (abandoned ones aside); a call
 starts when it starts, not when it was queued.
 
 Batch sources: a reward with a ``score_batch(prompts, completions, fields)`` method (the
-``code`` reward) is called once per batch, in the caller's thread, after the per-sample
-sources; it enforces its own deadline (it kills its programs), so the thread limit above
-does not apply to it. Its per-sample errors count like any other, and its metrics (counts by
+``code`` reward; a reward model, ``rl/reward_model.py``, which pads the batch into a few
+forwards) is called once per batch, in the caller's thread, after the per-sample sources;
+the thread limit above does not apply to it (the ``code`` reward enforces its own deadline:
+it kills its programs). Its per-sample errors count like any other, and its metrics (counts by
 outcome) are reported as ``reward_<src>_<key>``.
 """
 

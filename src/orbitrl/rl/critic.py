@@ -22,7 +22,6 @@ emitted (the hidden state that predicts token t).
 from __future__ import annotations
 
 import copy
-import json
 import math
 
 import torch
@@ -35,6 +34,7 @@ from orbitrl.model.quant import cache_dequantized
 from orbitrl.model.weights import load_model
 from orbitrl.rl.policy import BASE_FORMATS, load_base, place_on_tiers
 from orbitrl.train.optim import build_optimizer, is_fused
+from orbitrl.train.reward_model import classifier_labels
 
 
 class ValueHead(nn.Module):
@@ -164,24 +164,6 @@ def share_frozen(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def seq_cls_row(path) -> torch.Tensor | None:
-    """The score row [H] of a one-label ``*ForSequenceClassification`` checkpoint (None for
-    any other directory)."""
-    cfg = json.loads((path / "config.json").read_text())
-    if not any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or []):
-        return None
-    from safetensors import safe_open  # why: only sequence-classification checkpoints need it
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            if "score.weight" in st.keys():
-                w = st.get_tensor("score.weight")
-                if w.shape[0] != 1:
-                    raise OrbitError(f"{f}: score.weight has {w.shape[0]} labels; a critic "
-                                     "starts from a one-label (scalar) checkpoint")
-                return w[0].float()
-    raise OrbitError(f"{path}: a sequence-classification config without score.weight")
-
-
 def critic_mode(cfg) -> str:
     return cfg.train.mode if cfg.critic.mode == "auto" else cfg.critic.mode
 
@@ -196,15 +178,14 @@ def build_critic(cfg, policy_model, device, coll=None, distributed: bool = False
         return Critic(head, torch.optim.AdamW(head.parameters(), lr=a.value_lr),
                       a.critic_max_grad_norm, coll)
     mode = critic_mode(cfg)
-    decoder = _critic_decoder(cfg, policy_model, device, mode, distributed)
+    extra: dict = {}
+    decoder = _critic_decoder(cfg, policy_model, device, mode, distributed, extra)
     H = decoder.config.hidden_size
     head = nn.Linear(H, 1, bias=False).to(device)  # a one-label classifier's score row
     nn.init.zeros_(head.weight)
-    if c.path:
-        row = seq_cls_row(resolve_model_path(c.path))
-        if row is not None:
-            with torch.no_grad():
-                head.weight.copy_(row[None])
+    if "score.weight" in extra:
+        with torch.no_grad():
+            head.weight.copy_(extra["score.weight"].reshape(1, H))
     if getattr(decoder, "lm_head", None) is not None and not decoder.config.tie_word_embeddings:
         decoder.lm_head = None  # the critic reads hidden states only
     module = ValueModel(decoder, head)
@@ -230,8 +211,9 @@ def decoder_params(module: ValueModel) -> list:
     return [p for p in module.decoder.parameters() if p.requires_grad]
 
 
-def _critic_decoder(cfg, policy_model, device, mode: str, distributed: bool):
-    """The critic's decoder: the policy's frozen base shared where it can be, else loaded."""
+def _critic_decoder(cfg, policy_model, device, mode: str, distributed: bool, extra: dict):
+    """The critic's decoder: the policy's frozen base shared where it can be, else loaded
+    (a one-label sequence classifier's ``score.weight`` into ``extra``)."""
     c = cfg.critic
     same_base = (c.base_dtype in ("auto", cfg.model.base_dtype))
     if (mode == "adapter" and cfg.train.mode == "adapter" and not c.path and same_base
@@ -242,16 +224,21 @@ def _critic_decoder(cfg, policy_model, device, mode: str, distributed: bool):
         return dec
     path = resolve_model_path(c.path or cfg.model.path,
                               None if c.path else cfg.model.revision)
+    labels = classifier_labels(path)
+    if labels not in (None, 1):
+        raise OrbitError(f"{path / 'config.json'}: a classifier with {labels} labels; a "
+                         "critic starts from one label (critic.path)")
+    extra = extra if labels == 1 else None
     dtype = "float32" if cfg.model.dtype == "fp32" else "bfloat16"
     if mode == "adapter":
         fmt = cfg.model.base_dtype if c.base_dtype == "auto" else c.base_dtype
-        dec = load_base(path, BASE_FORMATS[fmt], dtype, device)
+        dec = load_base(path, BASE_FORMATS[fmt], dtype, device, extra)
         apply_lora(dec, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=0.0,
                    targets=cfg.lora.targets, experts=cfg.lora.experts)
         cache_dequantized(dec, cfg.model.dequant_cache_mb << 20,
                           torch.float32 if cfg.model.dtype == "fp32" else torch.bfloat16)
     else:
-        dec = load_model(path, dtype=dtype, device="cpu" if c.tiers else device)
+        dec = load_model(path, dtype=dtype, device="cpu" if c.tiers else device, extra=extra)
         for p in dec.parameters():
             p.requires_grad_(True)
         if c.tiers:

@@ -54,13 +54,16 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def load_base(path: Path, fmt: str | None, dtype: str, device) -> Decoder:
-    """Load with the frozen projections stored in ``fmt`` (None: plain dtype)."""
+def load_base(path: Path, fmt: str | None, dtype: str, device, extra: dict | None = None
+              ) -> Decoder:
+    """Load with the frozen projections stored in ``fmt`` (None: plain dtype); ``extra``
+    receives tensors outside the causal LM (``weights.load_model``)."""
     if fmt is None:
-        return load_model(path, dtype=dtype, device=device)
+        return load_model(path, dtype=dtype, device=device, extra=extra)
 
     check_format(fmt, device, key="model.base_dtype")
-    model = load_model(path, dtype=dtype, device=device, on_tensor=quantizing_hook(fmt))
+    model = load_model(path, dtype=dtype, device=device, on_tensor=quantizing_hook(fmt),
+                       extra=extra)
     finish_frozen(model, path)
     return model
 

@@ -1,11 +1,13 @@
-"""A small reward model as a reward source: a scalar head on a model directory.
+"""A reward model as a reward source: ``rm:PATH`` in ``reward.name`` or ``reward.extra``.
 
-The directory is an ordinary HF model directory (our decoder loads it) plus
-``reward_head.safetensors`` holding ``weight`` [1, hidden] and ``bias`` [1]; the score of a
-(prompt, completion) is the head applied to the final hidden state of the last token. It
-lives here, not in ``rewards/``, because rewards never import the model; the reward runner
-sees it as one more callable ``fn(prompt, completion, **fields) -> float`` (so it gets the
-same time limit, error accounting and per-source metrics as any verifier).
+PATH is a directory, a Hub id or ``builtin:NAME`` (``model/builtin.py``
+``resolve_model_path``) holding a transformers sequence classifier or orbitrl's first format
+(``train/reward_model.py``). It lives here, not in ``rewards/``, because rewards never
+import the model. The reward runner sees a batch source (``score_batch``): called once per
+batch in the caller's thread, it reads every (prompt, completion) as ``reward_ids`` does,
+pads ``batch_size`` rows at a time to one forward on the run's device in the run's dtype,
+and reads each row's score at its last token; its scores get the runner's error accounting
+and per-source metrics like any verifier's.
 """
 
 from __future__ import annotations
@@ -13,46 +15,44 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from orbitrl.errors import OrbitError
-from orbitrl.model import load_model, load_tokenizer
+from orbitrl.model import load_tokenizer
 from orbitrl.model.builtin import resolve_model_path
-
-HEAD_FILE = "reward_head.safetensors"
+from orbitrl.rewards.code import BatchScores
+from orbitrl.train.reward_model import load_reward_model, reward_ids
 
 
 class RewardModel:
-    def __init__(self, path: str | Path, device="cpu"):
+    """Args:
+        path: the reward model (a directory, a Hub id or ``builtin:NAME``).
+        device, dtype: where and in what it computes (a run's ``model.device``,
+            ``model.dtype``).
+        batch_size: sequences per forward.
+    """
+
+    def __init__(self, path: str | Path, device="cpu", dtype="fp32", batch_size: int = 16):
         self.path = resolve_model_path(path)
-        head = self.path / HEAD_FILE
-        if not head.exists():
-            raise OrbitError(f"{head}: missing (a reward model directory needs a scalar head)")
-        self.model = load_model(self.path, device=device)
-        self.tok = load_tokenizer(self.path, self.model.config.vocab_size)
-        sd = load_file(str(head))
-        H = self.model.config.hidden_size
-        if set(sd) != {"weight", "bias"} or tuple(sd["weight"].shape) != (1, H):
-            raise OrbitError(f"{head}: expected 'weight' [1, {H}] and 'bias' [1], got "
-                             f"{ {k: tuple(v.shape) for k, v in sd.items()} }")
-        self.head = torch.nn.Linear(H, 1).to(device)
-        self.head.load_state_dict(sd)
-        self.lock = threading.Lock()  # the runner calls from worker threads
+        self.model = load_reward_model(self.path, dtype=dtype, device=device)
+        self.tok = load_tokenizer(self.path, self.model.backbone.config.vocab_size)
+        self.batch_size = batch_size
+        self.lock = threading.Lock()  # one forward at a time (an overlapped rollout judges too)
         self.__name__ = f"rm:{self.path.name}"
 
-    @torch.no_grad()
-    def __call__(self, prompt: str, completion: str, **fields) -> float:
-        ids = self.tok(prompt + completion, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError("empty prompt and completion")
+    def score_batch(self, prompts: list[str], completions: list[str], fields=None
+                    ) -> BatchScores:
+        """Scores of B samples (None and an error where a sample has no tokens)."""
+        rows = [reward_ids(self.tok, p, c) for p, c in zip(prompts, completions)]
+        ok = [i for i, r in enumerate(rows) if r]
         with self.lock:
-            x = torch.tensor([ids], device=self.model.device)
-            h = self.model(x, return_hidden=True)[0, -1]
-            return float(self.head(h.float()))
+            got = self.model.scores([rows[i] for i in ok], self.batch_size) if ok else []
+        scores: list[float | None] = [None] * len(rows)
+        for i, s in zip(ok, got):
+            scores[i] = s
+        return BatchScores(scores, [(i, "exception", "empty prompt and completion")
+                                    for i, r in enumerate(rows) if not r])
 
-
-def save_reward_head(path: str | Path, weight: torch.Tensor, bias: torch.Tensor):
-    """Write the scalar head beside a model directory's weights."""
-    save_file({"weight": weight.detach().reshape(1, -1).contiguous().cpu(),
-               "bias": bias.detach().reshape(1).contiguous().cpu()}, str(Path(path) / HEAD_FILE))
+    def __call__(self, prompt: str, completion: str, **fields) -> float:
+        """One sample's score (a batch of one)."""
+        res = self.score_batch([prompt], [completion])
+        if res.errors:
+            raise ValueError(res.errors[0][2])
+        return res.scores[0]

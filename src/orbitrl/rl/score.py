@@ -31,18 +31,24 @@ from orbitrl.rl.types import Rollout, Scored, StepAbandoned, StepScore
 from orbitrl.train.optim import is_fused
 
 
-def reward_sources(rc) -> list:
+def reward_sources(rc, device=None, dtype: str = "fp32") -> list:
     """``reward.name`` plus ``reward.extra`` (weights in ``reward.weights``); a name
-    ``rm:DIR`` is a reward model directory (see rl/reward_model.py)."""
+    ``rm:PATH`` is a reward model (a directory, a Hub id or builtin:NAME; see
+    rl/reward_model.py), scored ``reward.rm_batch_size`` sequences per forward on
+    ``device`` (None: a GPU when there is one, as ``model.device: auto``) in ``dtype``
+    (``model.dtype``); its metrics are ``reward_rm_*`` (``rm2``, ... for more than one)."""
     names = [rc.name] + list(rc.extra)
     weights = list(rc.weights) or [1.0] * len(names)
     if len(weights) != len(names):
         raise OrbitError(f"config key 'reward.weights': {len(weights)} weights for "
                          f"{len(names)} reward sources")
-    out = []
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out, models = [], 0
     for n, w in zip(names, weights):
         if str(n).startswith("rm:"):
-            out.append(RewardSource(RewardModel(n[3:]), weight=w, name="rm"))
+            models += 1
+            rm = RewardModel(n[3:], device, dtype, rc.rm_batch_size)
+            out.append(RewardSource(rm, weight=w, name="rm" if models == 1 else f"rm{models}"))
         else:
             out.append(RewardSource(get_reward(n, rc), weight=w, name=n))
     return out

@@ -109,7 +109,8 @@ class RLTrainer:
                                                is_fused(self.opt), critic is not None,
                                                model.config.moe is not None),
                                max(1, cfg.train.threads))
-        rewards = RewardRunner(reward_sources(cfg.reward), timeout_s=cfg.reward.timeout_s,
+        rewards = RewardRunner(reward_sources(cfg.reward, self.device, cfg.model.dtype),
+                               timeout_s=cfg.reward.timeout_s,
                                strip_thinking=cfg.reward.strip_thinking)
         a = cfg.algo
         anchors = Anchors(model, self.policy.reference, a.anchor_refresh_steps,
