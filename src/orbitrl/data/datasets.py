@@ -52,7 +52,12 @@ def load_rows(path: str | Path, required: list[str] = ()) -> list[dict]:
 
 
 def _jsonl(p: Path) -> list[dict]:
-    rows = []
+    return [row for _, row in jsonl_rows(p)]
+
+
+def jsonl_rows(p: Path):
+    """(line number, object) per non-blank line of a JSONL file; one-line errors name the
+    file and the line."""
     with p.open() as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -63,8 +68,7 @@ def _jsonl(p: Path) -> list[dict]:
                 raise OrbitError(f"{p}: line {n} is not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise OrbitError(f"{p}: line {n} is not a JSON object")
-            rows.append(row)
-    return rows
+            yield n, row
 
 
 def _parquet(p: Path) -> list[dict]:

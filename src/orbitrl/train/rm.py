@@ -9,7 +9,6 @@ is trained on what it will score.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from orbitrl.data.datasets import jsonl_rows
 from orbitrl.errors import OrbitError
 from orbitrl.train.optim import lr_at
 from orbitrl.train.reward_model import ScalarRewardModel, reward_ids
@@ -42,24 +42,15 @@ def read_pairs(path: str | Path) -> list[dict]:
     if not p.is_file():
         raise OrbitError(f"{p}: pairs file not found")
     rows = []
-    with p.open() as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise OrbitError(f"{p}: line {n} is not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise OrbitError(f"{p}: line {n} is not a JSON object")
-            for f in FIELDS:
-                if f not in row:
-                    raise OrbitError(f"{p}: line {n} has no field {f!r} (a pair needs "
-                                     f"{', '.join(FIELDS)})")
-                if not isinstance(row[f], str):
-                    raise OrbitError(f"{p}: line {n}: field {f!r} is "
-                                     f"{type(row[f]).__name__}, not a string")
-            rows.append(row)
+    for n, row in jsonl_rows(p):
+        for f in FIELDS:
+            if f not in row:
+                raise OrbitError(f"{p}: line {n} has no field {f!r} (a pair needs "
+                                 f"{', '.join(FIELDS)})")
+            if not isinstance(row[f], str):
+                raise OrbitError(f"{p}: line {n}: field {f!r} is "
+                                 f"{type(row[f]).__name__}, not a string")
+        rows.append(row)
     if not rows:
         raise OrbitError(f"{p}: no pairs")
     return rows
