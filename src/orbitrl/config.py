@@ -264,7 +264,7 @@ class RewardSection:
     weights: list = field(default_factory=list)  # one weight per source (default all 1)
     timeout_s: float = 5.0  # per call; a reward past it scores 0 and is counted
     rm_batch_size: int = 16  # rm: sources score this many sequences per forward (right-padded)
-    strip_thinking: bool = True  # every reward but the format ones scores the reply after the last </think> (a reply that opens <think> and never closes it has none: empty); false: the whole completion
+    strip_thinking: bool = True  # every reward but the format ones scores the reply after the last </think> (a reply that opens <think> and never closes it has none: empty; nor has one that never closes the <think> a chat template opens at the end of its generation prompt, as DeepSeek-R1's distilled models' do); false: the whole completion
     sandbox: SandboxSection = field(default_factory=SandboxSection)  # code rewards only
 
     def __post_init__(self):

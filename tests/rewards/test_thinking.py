@@ -94,3 +94,47 @@ def test_chat_options_refused_where_they_would_not_apply(sets, key):
     cfg = load_config(None, sets)
     with pytest.raises(OrbitError, match=f"config key '{key}'"):
         check_modes(cfg, SimpleNamespace(enabled=False))
+
+
+# DeepSeek-R1's distilled models: the generation prompt itself opens the thoughts
+R1_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}<assistant><think>\n{% endif %}")
+
+
+@pytest.mark.parametrize("text,reply", [
+    ("23+45 is 68</think>68", "68"),
+    ("68", ""),  # still thinking when it stopped: no reply, whatever it says
+    ("</think>", ""),
+])
+def test_reply_after_thinking_the_prompt_opened(text, reply):
+    assert reply_after_thinking(text, opened=True) == reply
+
+
+def test_a_template_that_opens_thinking_is_detected_and_scored_so(tmp_path, tok):
+    from orbitrl.model.tokenizer import opens_thinking
+
+    r1 = load_tokenizer(builtin_with_template(tmp_path / "r1", R1_TEMPLATE))
+    chat = SimpleNamespace(chat_template=True)
+    assert opens_thinking(r1, prompt_encoder(r1, chat))
+    assert not opens_thinking(tok, prompt_encoder(tok, chat))  # <assistant> only
+    off = load_config(None, ["data.chat_template=true", "data.enable_thinking=off"]).data
+    assert not opens_thinking(tok, prompt_encoder(tok, off))  # an empty, closed block
+    assert not opens_thinking(r1, prompt_encoder(r1, SimpleNamespace(chat_template=False)))
+    runner = RewardRunner(["exact_match"], timeout_s=None, opened=True)
+    got = runner(["23+45="] * 3, ["68", "it is 68</think>68", "so 67</think>67"],
+                 [{"answer": "68"}] * 3).rewards
+    assert got == [0.0, 1.0, 0.0]  # the unclosed thought "68" is not an answer
+
+
+def test_training_and_eval_read_the_template(tmp_path):
+    from trainer_helpers import make_trainer
+    from orbitrl.evals.run import _judging_replies
+
+    d = builtin_with_template(tmp_path / "r1", R1_TEMPLATE)
+    tr = make_trainer(f"model.path={d}", "data.chat_template=true", "rollout.n=2",
+                      "rollout.prompts_per_step=1", "data.heldout_size=4")
+    assert tr.rewards.opened
+    seen = []
+    judge = _judging_replies(lambda i, c, p: seen.extend(c) or [], opened=True)
+    judge([0, 1], ["x = 1</think>```python\nf()\n```", "never closed"], None)
+    assert seen == ["```python\nf()\n```", ""]

@@ -218,8 +218,11 @@ def _evaluate(args, model, tok, path, adapter, rows, runner, data, max_tokens, s
     multi-turn trajectory (the accuracy is then the task's completion rate)."""
     from orbitrl.config import EvalSection  # start-up: kept off --help
     from orbitrl.rewards.graders import reward_gap_warning  # start-up: kept off --help
+    from orbitrl.model.tokenizer import opens_thinking, prompt_encoder  # start-up: off --help
     from orbitrl.rl.evaluate import tool_summary  # start-up: kept off --help
 
+    # a template that opens <think> itself: a reply that never closes it has no answer
+    runner.opened = opens_thinking(tok, prompt_encoder(tok, data))
     j = _evaluator(model, tok, data, max_tokens, env_cfg,
                    args.packed_mb).judge(rows, runner, grader[1])
     acc, records = j.accuracy, j.records

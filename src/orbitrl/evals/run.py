@@ -15,17 +15,19 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 from tqdm import tqdm
 
 from orbitrl.engine import Engine, SamplingParams
+from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.errors import OrbitError
 from orbitrl.evals.tasks import Task
-from orbitrl.ledger.kv import kv_bytes_per_token
-from orbitrl.model.tokenizer import encode_prompt
+from orbitrl.model.tokenizer import encode_prompt, opens_thinking
 from orbitrl.observe.passk import mean_pass_at_k, pass_at_k
+from orbitrl.rewards.runner import reply_after_thinking
 from orbitrl.rl.evaluate import Evaluator
 
 
@@ -53,9 +55,7 @@ class EvalOptions:
 def sized_engine(model, tok, batch: int, packed_mb: int | None = None
                  ) -> Callable[[int], object]:
     """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them."""
-    cfg = model.config
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    per_token = kv_block_bytes(model, None, 1)  # the engine's own formula (MLA's latent rows)
     kw = {} if packed_mb is None else {"packed_bytes": packed_mb << 20}
     return lambda longest: Engine(model, tok, kv_budget_bytes=batch * longest * per_token,
                                   max_num_seqs=batch, **kw)
@@ -70,9 +70,16 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
         raise OrbitError(f"--k {bad[0]}: pass@k needs k <= n (n = {opts.n})")
     context = model.config.context_length
     max_tokens = opts.max_tokens or min(task.max_tokens, context // 2)
-    ev = Evaluator(sized_engine(model, tok, opts.batch, opts.packed_mb),
-                   lambda t: encode_prompt(tok, t, opts.chat_template), None, max_tokens,
-                   context=context)
+    encode = partial(encode_prompt, tok, chat_template=opts.chat_template)
+    ev = Evaluator(sized_engine(model, tok, opts.batch, opts.packed_mb), encode, None,
+                   max_tokens, context=context)
+    # a reasoning model's thoughts are not its answer: the task judges the reply after
+    # them, and its stop strings (which a thought may contain, e.g. a code fence) are left
+    # out; the thought ends at </think>, the reply at EOS or the cap
+    reasoning = opts.chat_template and "<think>" in str(getattr(tok, "chat_template", ""))
+    if reasoning:
+        task = replace(task, stop=(), score=_judging_replies(task.score,
+                                                             opens_thinking(tok, encode)))
     prompts = ev.encode_prompts([r["prompt"] for r in task.rows])
     t0 = time.perf_counter()
     result: dict = {"task": task.name, "problems": len(task.rows), "problems_done": 0,
@@ -90,6 +97,14 @@ def evaluate(task: Task, model, tok, opts: EvalOptions,
         if on_chunk is not None:
             on_chunk(result)
     return result
+
+
+def _judging_replies(score, opened: bool):
+    """``score`` over the replies after the thinking of each completion (an unclosed
+    thought: an empty reply)."""
+    def judge(index, completions, progress):
+        return score(index, [reply_after_thinking(c, opened) for c in completions], progress)
+    return judge
 
 
 def _params(opts: EvalOptions, max_tokens: int, stop, i: int) -> list[tuple]:

@@ -74,6 +74,14 @@ def prompt_encoder(tok, data) -> Callable[[str], list[int]]:
                    thinking=thinking)
 
 
+def opens_thinking(tok, encode: Callable[[str], list[int]]) -> bool:
+    """Whether prompts encoded by ``encode`` end inside an open ``<think>`` block (a chat
+    template whose generation prompt opens it, as DeepSeek-R1's distilled models' do; Qwen3's
+    with thinking switched off ends with an empty closed block instead)."""
+    ids = encode("Hi")
+    return tok.decode(ids[-8:]).rstrip().endswith("<think>")
+
+
 def encode_prompt(tok, text: str, chat_template: bool = False, system: str = "",
                   thinking: bool | None = None) -> list[int]:
     """Token ids of one prompt: the raw text, or (``chat_template``) one user turn under the

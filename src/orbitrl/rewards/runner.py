@@ -94,15 +94,17 @@ def _check_value(value: Any) -> tuple[float | None, str, str]:
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def reply_after_thinking(completion: str) -> str:
+def reply_after_thinking(completion: str, opened: bool = False) -> str:
     """The reply a reasoning model gives after its thoughts: the text after the last
     ``</think>``; a completion that opens ``<think>`` and never closes it has no reply (an
-    empty string: a thought cut off by the length cap answers nothing); any other
-    completion as it is."""
+    empty string: a thought cut off by the length cap answers nothing), nor has one that
+    never closes the ``<think>`` its prompt ``opened`` (a template that ends its generation
+    prompt with ``<think>``, as DeepSeek-R1's distilled models' do); any other completion
+    as it is."""
     cut = completion.rfind(THINK_CLOSE)
     if cut >= 0:
         return completion[cut + len(THINK_CLOSE):]
-    if completion.lstrip().startswith(THINK_OPEN):
+    if opened or completion.lstrip().startswith(THINK_OPEN):
         return ""
     return completion
 
@@ -122,12 +124,14 @@ class RewardRunner:
         max_workers: concurrent calls at most.
         strip_thinking: every source except those that read the thinking (``reads_thinking``)
             scores :func:`reply_after_thinking` of each completion (``reward.strip_thinking``).
+        opened: the prompts end inside an open ``<think>`` (the chat template opens it):
+            a completion that never closes it has no reply.
     """
 
     def __init__(self, sources: list[RewardSource | str | Callable[..., float]],
                  timeout_s: float | None = 10.0, max_workers: int = 4,
-                 strip_thinking: bool = True):
-        self.strip_thinking = strip_thinking
+                 strip_thinking: bool = True, opened: bool = False):
+        self.strip_thinking, self.opened = strip_thinking, opened
         self.sources = [s if isinstance(s, RewardSource) else RewardSource(s) for s in sources]
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
@@ -139,6 +143,11 @@ class RewardRunner:
         self.leaked_threads = 0
         # tasks: (_Job, call index)
         self._pool = WorkerPool(self._work, self.max_workers, "reward-worker")
+
+    def reply(self, completion: str) -> str:
+        """What the rewards that do not read the thinking score of ``completion``."""
+        return reply_after_thinking(completion, self.opened) if self.strip_thinking \
+            else completion
 
     def __call__(self, prompts: list[str], completions: list[str],
                  fields: list[dict[str, Any]] | None = None) -> RewardResult:
@@ -155,8 +164,7 @@ class RewardRunner:
         if len(completions) != n or (fields is not None and len(fields) != n):
             raise ValueError("prompts, completions and fields must have the same length")
         fields = fields if fields is not None else [{} for _ in range(n)]
-        replies = [reply_after_thinking(c) for c in completions] if self.strip_thinking \
-            else completions
+        replies = [self.reply(c) for c in completions]
         seen = [completions if reads else replies for reads in self._reads]  # per source
         batch = [k for k, fn in enumerate(self._fns) if hasattr(fn, "score_batch")]
         calls = [(i, k) for k in range(len(self.sources)) if k not in batch for i in range(n)]

@@ -20,7 +20,6 @@ from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.errors import OrbitError
 from orbitrl.model.tokenizer import encode_prompt
 from orbitrl.rewards import RewardRunner, RewardSource, get_reward
-from orbitrl.rewards.runner import reply_after_thinking
 
 
 def reward_fields(row: dict, prompt_field: str, answer_field: str) -> dict:
@@ -187,7 +186,7 @@ class Evaluator:
                 failed.setdefault(i, "trajectory dropped (environment error or time limit)")
         infos = [s.info for s in samples] if samples else [{}] * len(rows)
         # the strict grader judges the reply, as the rewards do (reward.strip_thinking)
-        replies = [reply_after_thinking(t) for t in texts] if runner.strip_thinking else texts
+        replies = [runner.reply(t) for t in texts]
         correct = [bool(x == 1.0) if grader is None else
                    bool(grader(r[d.prompt_field], t, r.get(d.answer_field)))
                    for r, t, x in zip(rows, replies, res.rewards)]

@@ -22,7 +22,7 @@ from orbitrl.distributed.collective import Collective
 from orbitrl.distributed.env import Dist
 from orbitrl.engine.governor import KVGovernor, hand_back
 from orbitrl.ledger.runtime import micro_batch_tokens, resolve_recompute
-from orbitrl.model.tokenizer import prompt_encoder
+from orbitrl.model.tokenizer import opens_thinking, prompt_encoder
 from orbitrl.observe.memory import MemoryProbe, run_prediction
 from orbitrl.observe.metrics import PhaseTimer
 from orbitrl.observe.step import StepFlops, StepRow
@@ -111,7 +111,8 @@ class RLTrainer:
                                max(1, cfg.train.threads))
         rewards = RewardRunner(reward_sources(cfg.reward, self.device, cfg.model.dtype),
                                timeout_s=cfg.reward.timeout_s,
-                               strip_thinking=cfg.reward.strip_thinking)
+                               strip_thinking=cfg.reward.strip_thinking,
+                               opened=opens_thinking(self.tok, self.encode))
         a = cfg.algo
         anchors = Anchors(model, self.policy.reference, a.anchor_refresh_steps,
                           a.anchor_kl_threshold)
