@@ -56,7 +56,17 @@ FAMILY_CONFIGS = {
 # full layers alternating (transformers' default layer_types), biases everywhere, a biased
 # router whose weights are a softmax over the top-k logits, fused experts in the checkpoint,
 # a SwiGLU limit low enough that these tiny experts' clamps bite, yarn with truncate false
-# (gpt-oss's), its factor the context ratio as transformers expects
+# (gpt-oss's), its factor the context ratio as transformers expects; DeepSeek-V3: latent
+# attention (q through q_a/q_b with interleaved rope pairs; plainly: q_proj, rotate-half and
+# yarn with mscale_all_dim, which scales the softmax), a dense first layer, sigmoid routing
+# over 4 groups of 2 experts keeping 2 groups, shared experts, a correction bias
+# (make_hf_model sets one) and a routed scaling factor
+DEEPSEEK = dict(model_type="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1,
+                q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, n_group=4, topk_group=2,
+                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                routed_scaling_factor=2.5, norm_topk_prob=True, num_key_value_heads=4,
+                **SMALL_IDS)
 MOE_CONFIGS = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=6, tie_word_embeddings=True),
@@ -71,6 +81,12 @@ MOE_CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False,
                                      "original_max_position_embeddings": 16}, **SMALL_IDS),
+    "deepseek_v3": DEEPSEEK,
+    "deepseek_v3_plain_q": dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False,
+                                n_shared_experts=2, tie_word_embeddings=True,
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "mscale": 1.0, "mscale_all_dim": 0.7,
+                                                 "original_max_position_embeddings": 32}),
 }
 FAMILY_CONFIGS.update(MOE_CONFIGS)
 
@@ -125,6 +141,9 @@ def make_hf_model(family: str, seed: int = 0, **over):
                         else 0.1 * torch.randn_like(p))
             elif n.endswith("sinks"):  # gpt-oss: sinks that take a real share of each softmax
                 p.copy_(torch.randn_like(p))
+        for n, b in model.named_buffers():  # DeepSeek-V3: a correction bias that changes choices
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(0.5 * torch.randn_like(b))
     return model.eval()
 
 

@@ -89,3 +89,44 @@ def test_predicted_peak_of_moe_runs_within_10_percent(tmp_path):
         print(f"{name}: predicted {s['predicted_peak_bytes'] / 2**20:.1f} MiB, measured "
               f"{s['measured_peak_bytes'] / 2**20:.1f} MiB ({err:+.1%})")
         assert abs(err) <= 0.10, (name, err)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_plain_q"])
+def test_deepseek_weights_and_kv_priced_as_loaded(hf_dirs, family):
+    """DeepSeek-V3's latent attention, dense first layer and shared experts priced from
+    config.json: the ledger's parameters are the model's (the correction bias, a buffer,
+    is not a parameter), its bytes within 10% of the loaded state dict; the KV per token
+    and layer is one latent row (kv_lora_rank + qk_rope_head_dim values), the engine
+    pool's bytes per slot, in fp32 and in fp8 with its scale; LoRA counted as applied."""
+    from orbitrl.model.lora import adapter_parameters, apply_lora
+
+    path, ref = hf_dirs[family]
+    hf = json.loads((path / "config.json").read_text())
+    shape = from_config(hf)
+    model = orbitrl.load_model(path)
+    measured = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert shape.total_params == model.config.num_params == sum(
+        p.numel() for p in ref.parameters())
+    assert abs(shape.total_params * 4 / measured - 1) < 0.10
+    latent = hf["kv_lora_rank"] + hf["qk_rope_head_dim"]
+    assert shape.kv_latent == latent == model.config.kv_layout[1]
+    for kv_dtype, elem, scale in ((None, 4, 0), ("fp8", 1, 4)):
+        cache = Engine(model, kv_budget_bytes=1 << 20, block_size=4, kv_dtype=kv_dtype).cache
+        assert cache.v is None
+        per_slot = cache.nbytes // cache.k.shape[1]
+        assert per_slot == kv_bytes_per_token(shape.num_layers, shape.num_kv_heads,
+                                              shape.head_dim, "fp8" if kv_dtype else "float32",
+                                              scale, shape.kv_latent)
+        assert per_slot == shape.num_layers * (latent * elem + scale)
+    apply_lora(model, rank=4)
+    assert shape.adapter_params(4) == sum(p.numel() for p in adapter_parameters(model))
+
+
+def test_deepseek_triton_refused_with_one_line(hf_dirs):
+    from orbitrl.errors import OrbitError
+
+    model = orbitrl.load_model(hf_dirs["deepseek_v3"][0])
+    with pytest.raises(OrbitError, match="latent KV rows .*kv_lora_rank.*'torch'") as e:
+        Engine(model, kv_budget_bytes=1 << 20, attention_backend="triton")
+    assert "\n" not in str(e.value)
+    assert Engine(model, kv_budget_bytes=1 << 20).attention_backend == "torch"

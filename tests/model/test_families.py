@@ -1,12 +1,14 @@
 """The families added beside Llama/Qwen (SmolLM3's NoPE layers, OLMo 2/3's post-norm blocks
 and whole-projection q/k norms, Gemma 2/3's (1+w) sandwich norms, soft-capping, scaled
 embeddings and per-layer-kind rotaries, Phi-3's fused projections, gpt-oss's attention sinks
-and biased, clamped mixture) through the paths a run takes: the engine's and the
-trainer's logprobs agree (`orbitrl check-alignment`), and a GRPO step runs in adapter and
-full mode. Logits, engine greedy decoding, peft adapters and exports against transformers
-are in test_parity.py, tests/engine/test_engine.py and test_adapters_peft.py."""
+and biased, clamped mixture, DeepSeek-V3's latent attention and grouped sigmoid routing)
+through the paths a run takes: the engine's and the trainer's logprobs agree (`orbitrl
+check-alignment`), and a GRPO step runs in adapter and full mode. Logits, engine greedy
+decoding, peft adapters and exports against transformers are in test_parity.py,
+tests/engine/test_engine.py and test_adapters_peft.py."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -21,7 +23,8 @@ from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.decoder import _embed_scale
 
-FAMILIES = ["smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text", "phi3", "gpt_oss"]
+FAMILIES = ["smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text", "phi3", "gpt_oss",
+            "deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def test_engine_and_trainer_logprobs_agree(family_dirs, family, tmp_path):
                                          ("olmo3", "adapter"), ("gemma2", "full"),
                                          ("gemma3_text", "adapter"), ("phi3", "adapter"),
                                          ("phi3", "full"), ("gpt_oss", "adapter"),
-                                         ("gpt_oss", "full")])
+                                         ("gpt_oss", "full"), ("deepseek_v3", "adapter"),
+                                         ("deepseek_v3", "full")])
 def test_a_grpo_step_runs(family_dirs, family, mode, tmp_path):
     assert main(["train", "--set", f"model.path={family_dirs[family]}",
                  "--set", f"train.mode={mode}", "--set", "train.max_steps=2",
@@ -236,3 +240,62 @@ def test_phi3_ledger_prices_fused_projections(hf_dirs):
     leaves = {n.rpartition(".")[2] for n in lora_modules(model)}
     assert leaves == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert shape.adapter_params(4) == sum(p.numel() for p in adapter_parameters(model))
+
+
+def test_deepseek_v3_config_defaults_follow_transformers():
+    """Keys a DeepSeek-V3 config may leave out take transformers' defaults (q through
+    q_a/q_b of rank 1536, latent 512 + rope 64, interleaved rope pairs, 3 dense layers,
+    8 groups keeping 4, scale 2.5, one shared expert); yarn's mscale_all_dim scales the
+    softmax; an fp8 checkpoint and groups that cannot hold the top-k stop with one line."""
+    from transformers import DeepseekV3Config
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4)
+    c = ModelConfig.from_hf(dict(base, model_type="deepseek_v3"))
+    t = DeepseekV3Config(**base)
+    m = c.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.nope, m.rope, m.v_dim, m.interleave) == (
+        t.q_lora_rank, t.kv_lora_rank, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim,
+        t.rope_interleave)
+    assert (c.head_dim, c.rotary_dim, c.kv_layout) == (192, 64, (1, 576, False))
+    assert c.attn_scale == 192 ** -0.5 and c.moe.sparse_layers == (3, 4)
+    assert c.moe.grouped == (8, 4, 2.5) and c.moe.norm_topk_prob
+    assert c.moe.shared_intermediate == t.moe_intermediate_size * t.n_shared_experts
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096}
+    scaled = ModelConfig.from_hf(dict(base, model_type="deepseek_v3", rope_scaling=yarn))
+    assert scaled.attn_scale == 192 ** -0.5 * (0.1 * math.log(40.0) + 1) ** 2
+    for bad, match in [({"quantization_config": {"quant_method": "fp8"}},
+                        r"quantization_config \(fp8\)"),
+                       ({"n_group": 3}, "n_group 3"),
+                       ({"topk_group": 1, "n_group": 8}, "topk_group 1"),
+                       ({"kv_lora_rank": 0}, "kv_lora_rank"),
+                       ({"qk_rope_head_dim": 7}, "qk_rope_head_dim 7")]:
+        with pytest.raises(OrbitError, match=match) as e:
+            ModelConfig.from_hf(dict(base, model_type="deepseek_v3", **bad), "x/config.json")
+        assert "\n" not in str(e.value) and str(e.value).startswith("x/config.json")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_plain_q"])
+def test_dropping_a_deepseek_feature_breaks_the_logits(hf_dirs, family):
+    """The parity test can fail for the right reasons: the correction bias (it moves which
+    experts run), the routed scaling factor, rope's channel order and the mscale'd softmax
+    scale each matter past the 1e-5 bound."""
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    path, ref = hf_dirs[family]
+    with torch.no_grad():
+        want = ref(ids).logits
+        for off in ("bias", "scale", "interleave", "softmax_scale"):
+            ours = orbitrl.load_model(path)
+            assert (ours(ids) - want).abs().max().item() < 1e-5
+            for layer in ours.model.layers:
+                a, ffn = layer.self_attn, layer.mlp
+                if off == "interleave":
+                    a.interleave = not a.interleave
+                elif off == "softmax_scale":
+                    a.scale = ours.config.attn_scale * 2
+                elif off == "bias" and hasattr(ffn, "gate"):
+                    ffn.gate.e_score_correction_bias.zero_()
+                elif off == "scale" and hasattr(ffn, "gate"):
+                    ffn.grouped = ffn.grouped[:2] + (1.0,)
+            assert (ours(ids) - want).abs().max().item() > 1e-3, off

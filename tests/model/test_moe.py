@@ -227,7 +227,7 @@ def test_packed_experts_equal_the_loop_and_follow_updates(hf_dirs, family, min_r
     assert moe._packed_weights(blk) is None and blk.packed is None
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     """A token's sparse-layer output is the same to the bit alone, in a few tokens or in a
     large batch (each expert's short slice padded to moe.row_count rows, the shared gate
@@ -240,7 +240,8 @@ def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     from orbitrl.engine.model_runner import RowPadded
 
     path, _ = hf_dirs[family]
-    layer = orbitrl.load_model(path).model.layers[0].mlp
+    m = orbitrl.load_model(path)
+    layer = m.model.layers[m.config.moe.sparse_layers[0]].mlp  # DeepSeek-V3: layer 0 dense
     x = torch.randn(1, 300, 64, generator=torch.Generator().manual_seed(8))
     m = layer.experts
     assert (layer.packed is not None) == (family != "gpt_oss")
@@ -249,13 +250,39 @@ def test_sparse_layer_rows_do_not_depend_on_the_batch(hf_dirs, family):
     # AVX-512 kernels); on AVX2 within the ISA-independent bound
     exact = all(gemm_rows_invariant(k, nn) for k, nn in ((64, 32), (32, 64), (64, 48),
                                                           (48, 64)))
-    same = torch.equal if exact else \
-        (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6))  # noqa: E731
     with torch.no_grad():
         big = layer(x)[0]
+    # (a few ulps of the output's size: DeepSeek-V3's routed scaling makes its rows larger)
+    tol = 1e-6 * max(1.0, big.abs().max().item())
+    same = torch.equal if exact else \
+        (lambda a, b: torch.allclose(a, b, rtol=0, atol=tol))  # noqa: E731
+    with torch.no_grad():
         for n in range(1, 40):  # below ROW_FLOOR tokens the engine pads every GEMM too
             with RowPadded() if n < moe.ROW_FLOOR else nullcontext():
                 assert same(layer(x[:, :n])[0], big[:n]), f"{n} tokens"
     x.requires_grad_(True)  # the trainer's path (loop over experts, autograd)
     assert same(layer(x[:, :20])[0].detach(), big[:20])
     assert [moe.row_count(m) for m in (1, 3, 4, 5, 11, 12, 13)] == [4, 4, 4, 8, 12, 12, 13]
+
+
+def test_deepseek_routing_against_transformers_router(hf_dirs):
+    """route's grouped sigmoid choice and weights are transformers' DeepseekV3TopkRouter's
+    (correction bias set, groups that exclude the best single expert's group at times);
+    replayed ids take the current scores, and the bias never reaches the weights."""
+    _, ref = hf_dirs["deepseek_v3"]
+    gate = ref.model.layers[1].mlp.gate
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, want_w, want_i = gate(x)
+        bias = gate.e_score_correction_bias
+        assert bias.abs().min() > 0
+        ids, w = moe.route(logits, 2, True, grouped=(bias, 4, 2, 2.5))
+        order = want_i.argsort(-1)
+        assert torch.equal(ids.sort(-1).values, want_i.gather(1, order))
+        assert torch.allclose(w.gather(1, ids.argsort(-1)), want_w.gather(1, order), atol=1e-7)
+        free, _ = moe.route(logits, 2, True, grouped=(torch.zeros_like(bias), 4, 2, 2.5))
+        assert not torch.equal(free.sort(-1).values, ids.sort(-1).values)  # the bias chooses
+        forced = torch.tensor([[6, 7]] * 39 + [[-1, -1]])
+        ids2, w2 = moe.route(logits, 2, True, ids=forced, grouped=(bias, 4, 2, 2.5))
+        s = logits[0, [6, 7]].sigmoid()
+        assert torch.allclose(w2[0], 2.5 * s / s.sum()) and torch.equal(ids2[-1], ids[-1])

@@ -121,3 +121,65 @@ def test_experts_option_checked(hf_dirs):
     # a routed-expert name is not a candidate unless asked for
     with pytest.raises(OrbitError, match="matches no linear layer"):
         apply_lora(orbitrl.load_model(path), targets=r"re:.*experts\.0\.up_proj")
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+    ("deepseek_v3_plain_q", ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])])
+def test_peft_loads_latent_attention_adapters(hf_dirs, tmp_path, family, targets):
+    """Adapters on every latent-attention projection load in peft on transformers'
+    DeepseekV3ForCausalLM with our logits, and back here to the bit. (peft maps any
+    gate_proj / up_proj / down_proj target of this model onto its fused routed experts as
+    well, so files with dense-MLP or shared-expert adapters are exact here and in a merged
+    export, not in peft: docs/models.md.)"""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, ref = hf_dirs[family]
+    model = orbitrl.load_model(path)
+    apply_lora(model, rank=4, alpha=8, dropout=0.1, targets=targets)
+    _train(model)
+    with torch.no_grad():
+        ours = model(IDS)
+    assert (ours - ref(IDS).logits).abs().max() > 1e-3
+    save_adapters(model, tmp_path / "ad", base_model_name_or_path=str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    pm = PeftModel.from_pretrained(hf, tmp_path / "ad").eval()
+    with torch.no_grad():
+        assert (pm(IDS).logits - ours).abs().max().item() < 1e-5
+    again = orbitrl.load_model(path)
+    load_adapters(again, tmp_path / "ad")
+    with torch.no_grad():
+        assert torch.equal(again(IDS), ours)
+
+
+@pytest.mark.parametrize("fmt", [None, "nf4"])
+def test_deepseek_latent_attention_adapters_merge_into_an_export(hf_dirs, tmp_path, fmt):
+    """LoRA on every latent-attention projection (q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+    kv_b_proj, o_proj), the dense layer's MLP and the shared experts, over an fp32 or NF4
+    base: the merged export loads in transformers with our logits, and so does the engine's
+    greedy decoding (which expands the cached latents through the adapted kv_b_proj)."""
+    from transformers import AutoModelForCausalLM
+
+    from orbitrl.engine import Engine, SamplingParams
+
+    path, ref = hf_dirs["deepseek_v3"]
+    model = orbitrl.load_model(path, base_format=fmt)
+    names = apply_lora(model, rank=4, alpha=8, targets="all-linear")
+    leaves = {n.rpartition(".")[2] for n in names}
+    assert leaves == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                      "gate_proj", "up_proj", "down_proj"}
+    _train(model)
+    with torch.no_grad():
+        ours = model(IDS)
+    assert (ours - ref(IDS).logits).abs().max() > 1e-3
+    save_merged(model, tmp_path / "merged")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (back.eval()(IDS).logits - ours).abs().max().item() < 1e-5
+    prompt = IDS[0, :5].tolist()
+    out = Engine(model, kv_budget_bytes=1 << 20, block_size=4).generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    want = back.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                         min_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    assert out[0].samples[0].token_ids == want[0, 5:].tolist()

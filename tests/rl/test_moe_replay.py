@@ -100,7 +100,7 @@ def test_pack_routing_places_each_token(hf_dirs):
             assert r[j] == tag * 100 + int(pos[j]) or (i >= 3 and r[j] == 200 + int(pos[j]))
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_engine_logprobs_equal_the_trainers_without_any_nudge(hf_dirs, family):
     """Same weights, replay on: the engine's sampled-token logprobs (paged attention over
     each sequence's own keys, decode steps of down to 1 token) equal the trainer's packed

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
 from orbitrl.engine.decode_state import DecodeState
 from orbitrl.engine.paged_attention import KVCache
-from orbitrl.engine.paged_common import SOFTCAP_REFUSED, auto_splits, dequantize
+from orbitrl.engine.paged_common import (LATENT_REFUSED, SOFTCAP_REFUSED, auto_splits,
+                                         dequantize)
 from orbitrl.engine.sampler import sample_rows, uniforms
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import decode_attention_exact, sdpa
@@ -142,15 +143,16 @@ def default_attend(device, backend: str = "auto", softcap: bool = False):
     return ReferencePagedDecode()
 
 
-def resolve_backend(device, backend: str, softcap: bool = False) -> str:
+def resolve_backend(device, backend: str, softcap: bool = False, latent: bool = False) -> str:
     """"auto" -> "triton" on CUDA when Triton is installed, else "torch". ``softcap``: the
-    model soft-caps its attention scores (Gemma 2), which the kernels cannot: "auto" is
-    "torch", "triton" is refused."""
+    model soft-caps its attention scores (Gemma 2), ``latent``: its cache holds latent rows
+    (DeepSeek-V3's MLA), which the kernels cannot read: "auto" is "torch", "triton" is
+    refused."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"attention backend {backend!r}: choose 'auto', 'torch' or 'triton'")
-    if softcap and backend == "triton":
-        raise ValueError(SOFTCAP_REFUSED)
-    if softcap:
+    if (softcap or latent) and backend == "triton":
+        raise ValueError(SOFTCAP_REFUSED if softcap else LATENT_REFUSED)
+    if softcap or latent:
         return "torch"
     if backend == "auto":
         return "triton" if device.type == "cuda" and kernels.triton_available() else "torch"

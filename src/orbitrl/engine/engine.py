@@ -40,8 +40,9 @@ def kv_block_bytes(model, kv_dtype: str | None, block_size: int) -> int:
     (with its fp32 scales): the planner's formula (``ledger.kv.kv_bytes_per_block``)."""
     cfg, fp8 = model.config, kv_dtype in FP8_NAMES
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
-                              "fp8" if fp8 else dtype, 4 if fp8 else 0)
+    heads, dim, value = cfg.kv_layout  # DeepSeek-V3: one latent row per token and layer
+    return kv_bytes_per_block(cfg.num_layers, heads, dim, block_size, "fp8" if fp8 else dtype,
+                              4 if fp8 else 0, latent_dim=0 if value else dim)
 
 
 class _Launched:
@@ -144,8 +145,9 @@ class Engine:
                              f"(one block is {self.block_bytes} bytes)")
         self.pool = BlockPool(num_blocks, block_size)
         self.max_blocks = num_blocks  # the pool may grow up to this (see resize_pool)
-        self.cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks,
-                             block_size, dtype, device, fp8=fp8)
+        heads, dim, value = cfg.kv_layout
+        self.cache = KVCache(cfg.num_layers, heads, dim, num_blocks, block_size, dtype, device,
+                             fp8=fp8, value=value)
         preempt = preempt or ("swap" if device.type == "cuda" else "recompute")
         if preempt not in ("swap", "recompute"):
             raise OrbitError(f"preempt {preempt!r}: choose 'swap' or 'recompute'")
@@ -156,7 +158,8 @@ class Engine:
         # and the only one for soft-capped scores)
         try:
             self.attention_backend = resolve_backend(device, attention_backend,
-                                                     cfg.attn_softcap is not None)
+                                                     cfg.attn_softcap is not None,
+                                                     cfg.mla is not None)
         except ValueError as e:
             raise OrbitError(str(e)) from None
         self.runner.backend = self.attention_backend

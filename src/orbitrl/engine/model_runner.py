@@ -65,7 +65,8 @@ class ModelRunner:
         self.softcap = cfg.attn_softcap  # Gemma 2's attention soft-capping
         self.packed = None  # the engine's PackedLinears (CPU), entered around each step
         # paged attention: "triton" (the kernels, the CUDA default) or "torch" (gather + SDPA)
-        self.backend = resolve_backend(model.device, "auto", self.softcap is not None)
+        self.backend = resolve_backend(model.device, "auto", self.softcap is not None,
+                                       cfg.mla is not None)
 
     def run(self, items: list[tuple[Sequence, int]]):
         """Compute ``num_new`` tokens of each sequence. Returns (logits [S, V] fp32, the S

@@ -11,6 +11,13 @@ calls go to the paged kernels of ``attention_kernels.py`` instead, which read th
 in place: decode tokens with their GRPO prefix groups, each prefill chunk over its prefix.
 A layer with attention sinks (gpt-oss) hands its [Hq] logits to each call; both paths put
 them in the softmax's denominator.
+
+Multi-head latent attention (DeepSeek-V3, ``model/mla.py``): the cache keeps one latent row
+per token and layer (``KVCache(value=False)``: ``k`` [num_slots, 1, kv_lora_rank + rope],
+no ``v``); the layer passes that row as ``k`` with ``expand=``, which turns gathered rows
+into per-head K and V (``kv_b_proj``) before the same gather + SDPA. The Triton kernels
+read K and V blocks as stored, so such a model attends with the torch path
+(``paged_common.LATENT_REFUSED``).
 """
 
 from __future__ import annotations
@@ -19,22 +26,27 @@ import torch
 import torch.nn.functional as F
 
 from orbitrl.engine import attention_kernels as kernels  # (as a module: tests count its calls)
-from orbitrl.engine.paged_common import FP8, FP8_MAX, SOFTCAP_REFUSED, dequantize
+from orbitrl.engine.paged_common import (FP8, FP8_MAX, LATENT_REFUSED, SOFTCAP_REFUSED,
+                                         dequantize)
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import decode_attention_exact, sdpa
 
 class KVCache:
+    """``value`` False: only ``k`` is kept (MLA's latent rows; ``v`` and ``v_scale`` None)."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device, fp8: bool = False):
+                 block_size: int, dtype: torch.dtype, device, fp8: bool = False,
+                 value: bool = True):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.dtype, self.fp8, self.block_size = dtype, fp8, block_size
         # fp8 is stored as uint8 bits: index_copy_ has no float8 kernel on CPU
         store = torch.uint8 if fp8 else dtype
         self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device) if value else None
+        self.v_scale = None
         if fp8:
             self.k_scale = torch.ones(shape[:3] + (1,), dtype=torch.float32, device=device)
-            self.v_scale = torch.ones_like(self.k_scale)
+            self.v_scale = torch.ones_like(self.k_scale) if value else None
 
     def resize(self, num_blocks: int) -> None:
         """Reallocate for ``num_blocks`` blocks, keeping the slots both sizes have (the old
@@ -44,6 +56,8 @@ class KVCache:
         names = ("k", "v", "k_scale", "v_scale") if self.fp8 else ("k", "v")
         for name in names:
             t = getattr(self, name)
+            if t is None:  # (no V: latent rows)
+                continue
             if slots >= t.shape[1]:
                 fill = 1.0 if name.endswith("scale") else 0
                 new = t.new_full((t.shape[0], slots) + t.shape[2:], fill)
@@ -53,15 +67,16 @@ class KVCache:
             setattr(self, name, new)
 
     def _fields(self):
-        return (self.k, self.v, self.k_scale, self.v_scale) if self.fp8 else (self.k, self.v)
+        out = (self.k, self.v, self.k_scale, self.v_scale) if self.fp8 else (self.k, self.v)
+        return tuple(t for t in out if t is not None)
 
     def layer(self, layer: int) -> tuple:
         """(K, V) of one layer, ``[num_slots, Hkv, D]`` views kept between calls (a step
         reads and writes each layer's twice; indexing makes a new view every time)."""
         views = self.__dict__.get("_views")
         if views is None or views[0] is not self.k or views[1] is not self.v:
-            views = self._views = (self.k, self.v, list(zip(self.k.unbind(0),
-                                                            self.v.unbind(0))))
+            vs = [None] * self.k.shape[0] if self.v is None else self.v.unbind(0)
+            views = self._views = (self.k, self.v, list(zip(self.k.unbind(0), vs)))
         return views[2][layer]
 
     @property
@@ -74,26 +89,32 @@ class KVCache:
         scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
         return (x.float() / scale).to(FP8).view(torch.uint8), scale
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [N, Hkv, D] for the N slots ``slots``."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None):
+        """k, v: [N, Hkv, D] for the N slots ``slots`` (v None without V)."""
         kl, vl = self.layer(layer)
         if self.fp8:
-            (kq, ks), (vq, vs) = self.quantize(k), self.quantize(v)
+            kq, ks = self.quantize(k)
             kl.index_copy_(0, slots, kq)
-            vl.index_copy_(0, slots, vq)
             self.k_scale[layer].index_copy_(0, slots, ks)
-            self.v_scale[layer].index_copy_(0, slots, vs)
+            if v is not None:
+                vq, vs = self.quantize(v)
+                vl.index_copy_(0, slots, vq)
+                self.v_scale[layer].index_copy_(0, slots, vs)
         else:
             kl.index_copy_(0, slots, k if k.dtype == self.dtype else k.to(self.dtype))
-            vl.index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
+            if v is not None:
+                vl.index_copy_(0, slots, v if v.dtype == self.dtype else v.to(self.dtype))
 
     def read(self, layer: int, idx: torch.Tensor):
-        """K, V of slots ``idx`` [M] -> two [M, Hkv, D] tensors in the compute dtype."""
+        """K, V of slots ``idx`` [M] -> two [M, Hkv, D] tensors in the compute dtype (V None
+        without V)."""
         kl, vl = self.layer(layer)
-        k, v = kl.index_select(0, idx), vl.index_select(0, idx)
+        k = kl.index_select(0, idx)
+        v = None if vl is None else vl.index_select(0, idx)
         if self.fp8:
             k = dequantize(k, self.k_scale[layer].index_select(0, idx), self.dtype)
-            v = dequantize(v, self.v_scale[layer].index_select(0, idx), self.dtype)
+            if v is not None:
+                v = dequantize(v, self.v_scale[layer].index_select(0, idx), self.dtype)
         return k, v
 
     def _slots(self, blocks) -> torch.Tensor:
@@ -215,10 +236,12 @@ class PagedAttention:
             self._masks[(key, window)] = m
         return self._masks[(key, window)]
 
-    def __call__(self, layer: int, q, k, v, sinks=None):
+    def __call__(self, layer: int, q, k, v, sinks=None, expand=None):
         # q: [1, N, Hq, D]; k, v: [1, N, Hkv, D] -> [1, N, Hq, D]; sinks: [Hq] or None
         # rows past the scheduled tokens are padding (ModelRunner pads a short step's row
         # count): they write nothing, read nothing and come out zero
+        if expand is not None:  # MLA: k holds the latent rows, no v
+            return self._latent(layer, q, k, expand)
         n, hq, d, hkv = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
         real = self.slot_mapping.numel()
         k, v = k.reshape(n, hkv, d), v.reshape(n, hkv, d)
@@ -247,13 +270,34 @@ class PagedAttention:
             out[t0:t1] = o[0].transpose(0, 1)
         return out[None]
 
-    def _decode(self, layer: int, q, hkv: int, window, sinks=None):
+    def _latent(self, layer: int, q, latent, expand):
+        """MLA: q [1, N, Hq, D], latent [1, N, 1, R] -> [1, N, Hq, Dv]. The rows go to the
+        cache; each context's gathered rows are expanded (``expand``: rows -> per-head K
+        [.., Hq, D] and V [.., Hq, Dv]) and attended as any other layer's K and V."""
+        if self.backend == "triton":
+            raise OrbitError(LATENT_REFUSED)
+        n, real = q.shape[1], self.slot_mapping.numel()
+        self.cache.write(layer, self.slot_mapping, latent[0, :real], None)
+        q, window, outs = q[0], self.windows[layer], []
+        if self.num_decode:
+            outs.append(self._decode(layer, q, q.shape[1], window, expand=expand))
+        for i, (t0, t1, _, slots) in enumerate(self.prefills):
+            kc, vc = expand(self.cache.read(layer, slots)[0])
+            o = sdpa(q[t0:t1].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                     vc.transpose(0, 1)[None], self._mask(i, window), self.scale, self.exact)
+            outs.append(o[0].transpose(0, 1))
+        return F.pad(torch.cat(outs), (0, 0, 0, 0, 0, n - real))[None]
+
+    def _decode(self, layer: int, q, hkv: int, window, sinks=None, expand=None):
         """Decode rows' attention over their gathered contexts: q [>= B, Hq, D] ->
-        [B, Hq, D]."""
+        [B, Hq, Dv] (Dv = D but for MLA, whose gathered latent rows ``expand`` turns into
+        K and V)."""
         b, c = self.dec_shape
         hq, d = q.shape[1], q.shape[2]
         kc, vc = self.cache.read(layer, self.dec_idx)
-        kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, d)
+        if expand is not None:
+            kc, vc = expand(kc)
+        kc, vc = kc.view(b, c, hkv, d), vc.view(b, c, hkv, vc.shape[-1])
         # the G query heads sharing one kv head act as G queries of that head
         qd = q[:b].view(b, hkv, hq // hkv, d)
         sinks = None if sinks is None else sinks.view(hkv, hq // hkv)  # as qd's heads
@@ -264,7 +308,7 @@ class PagedAttention:
             o = sdpa(qd, kc.transpose(1, 2), vc.transpose(1, 2),
                      self._mask("dec", window, additive=q.dtype), self.scale, self.exact,
                      softcap=self.softcap, sinks=sinks)
-        return o.reshape(b, hq, d)
+        return o.reshape(b, hq, -1)
 
     def _kernels(self, layer: int, q, out, window, sinks=None):
         """The paged kernels: decode tokens in one call, the GRPO samples of a prompt

@@ -2,9 +2,9 @@
 (``dequantize``, used by ``KVCache``, the torch reference kernels and the decode runner's
 reference), the split-K count of the paged decode kernel (``auto_splits``, used by the
 Triton kernel and the decode runner) and the kernels' refusal of soft-capped scores
-(``SOFTCAP_REFUSED``). Torch only: no Triton, no other engine module, so
-``paged_attention``, ``attention_kernels`` and ``triton_attention`` all import it without
-importing each other in a circle.
+(``SOFTCAP_REFUSED``) and of latent KV rows (``LATENT_REFUSED``). Torch only: no Triton, no
+other engine module, so ``paged_attention``, ``attention_kernels`` and ``triton_attention``
+all import it without importing each other in a circle.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ FP8_MAX = 448.0
 # the torch reference, and asking for the kernels is refused with this line
 SOFTCAP_REFUSED = ("attention backend 'triton': the paged kernels have no attention "
                    "soft-capping (config.json attn_logit_softcapping); use 'torch'")
+# nor multi-head latent attention's cache of latent rows (DeepSeek-V3), expanded per step
+LATENT_REFUSED = ("attention backend 'triton': the paged kernels do not read multi-head "
+                  "latent attention's latent KV rows (config.json kv_lora_rank); use 'torch'")
 
 
 @lru_cache(maxsize=None)

@@ -10,21 +10,27 @@ DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, 
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str,
-                       scale_bytes_per_head: int = 0) -> int:
+                       scale_bytes_per_head: int = 0, latent_dim: int = 0) -> int:
     """Bytes of K and V for one token across all layers.
 
     fp8 storage keeps one fp32 scale per (token, kv head) for K and for V, passed as
-    ``scale_bytes_per_head`` (4 for that scheme, 0 for unscaled storage).
+    ``scale_bytes_per_head`` (4 for that scheme, 0 for unscaled storage). ``latent_dim``
+    (multi-head latent attention, DeepSeek-V3): each layer keeps one row of that many
+    values per token (kv_lora_rank + qk_rope_head_dim: the compressed KV and the rotary
+    key), with one scale under fp8, instead of K and V per kv head.
     """
     elem = DTYPE_BYTES[kv_dtype]
+    if latent_dim:
+        return num_layers * (latent_dim * elem + scale_bytes_per_head)
     return 2 * num_layers * num_kv_heads * (head_dim * elem + scale_bytes_per_head)
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                       kv_dtype: str, scale_bytes_per_head: int = 0) -> int:
+                       kv_dtype: str, scale_bytes_per_head: int = 0,
+                       latent_dim: int = 0) -> int:
     """Bytes of one KV block (``block_size`` token slots, all layers, K and V)."""
     return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype,
-                                           scale_bytes_per_head)
+                                           scale_bytes_per_head, latent_dim)
 
 
 def kv_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

@@ -294,7 +294,7 @@ def kv_block_bytes(shape: ModelShape, kv_dtype: str, block_size: int = 16) -> in
     """One whole KV block (``block_size`` tokens, all layers, K and V; fp8 with its scales)."""
     scale = 4 if kv_dtype == "fp8" else 0
     return kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                              block_size, kv_dtype, scale)
+                              block_size, kv_dtype, scale, shape.kv_latent)
 
 
 def kv_cache_bytes(shape: ModelShape, seqs: int, seq_len: int, kv_dtype: str,

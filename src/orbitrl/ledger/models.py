@@ -41,6 +41,11 @@ class ModelShape:
     fused_projections: bool = False  # Phi-3/4: one qkv_proj and one gate_up_proj per layer
     # gpt-oss: biases on q/k/v/o, the router and every expert projection, a sink per head
     biases: bool = False
+    # multi-head latent attention (DeepSeek-V3): (q_lora_rank (0: one q_proj), kv_lora_rank,
+    # qk_nope_head_dim, qk_rope_head_dim, v_head_dim); head_dim is then nope + rope
+    mla: tuple = ()
+    # MoE: the first dense_layers layers have a dense MLP (DeepSeek-V3's first_k_dense_replace)
+    dense_layers: int = 0
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab"):
@@ -54,7 +59,13 @@ class ModelShape:
     @property
     def attn_params(self) -> int:
         """q, k, v, o projections of one layer (biases and sinks with ``biases`` only;
-        elsewhere they are noise at this scale)."""
+        elsewhere they are noise at this scale). MLA: q_a / q_b (or q_proj),
+        kv_a_proj_with_mqa, kv_b_proj, o_proj and the two latent norms."""
+        if self.mla:
+            ql, kl, nope, rope, v = self.mla
+            h, nh = self.hidden, self.num_heads
+            q = h * ql + ql + ql * nh * (nope + rope) if ql else h * nh * (nope + rope)
+            return q + h * (kl + rope) + kl + kl * nh * (nope + v) + nh * v * h
         q = self.hidden * self.num_heads * self.head_dim
         kv = 2 * self.hidden * self.num_kv_heads * self.head_dim
         extra = self.num_heads * (self.head_dim + 1) + self.kv_dim * 2 + self.hidden \
@@ -82,8 +93,23 @@ class ModelShape:
         return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     @property
+    def _dense_excess(self) -> int:
+        """What the dense layers of a mixture (``dense_layers``) hold beyond sparse ones'
+        feed-forwards, in all."""
+        if not self.dense_layers:
+            return 0
+        ffn = self.dense_mlp_params + self.expert_params
+        return self.dense_layers * (3 * self.hidden * self.intermediate - ffn)
+
+    @property
+    def _dense_layer_excess(self) -> int:
+        """:attr:`_dense_excess` spread over all layers (``layer_params`` is an average)."""
+        return self._dense_excess // self.num_layers
+
+    @property
     def _computed_layer_params(self) -> int:
-        return self.attn_params + self.dense_mlp_params + self.expert_params + 2 * self.hidden
+        return self.attn_params + self.dense_mlp_params + self.expert_params + 2 * self.hidden \
+            + self._dense_layer_excess
 
     @property
     def layer_params(self) -> int:
@@ -96,14 +122,16 @@ class ModelShape:
     def gathered_layer_params(self) -> int:
         """Parameters gathered whole per layer: routed experts stay expert-parallel."""
         scale = self.layer_params / self._computed_layer_params
-        return int((self.attn_params + self.dense_mlp_params + 2 * self.hidden) * scale) \
+        return int((self.attn_params + self.dense_mlp_params + 2 * self.hidden
+                    + max(0, self._dense_layer_excess)) * scale) \
             if self.is_moe else self.layer_params
 
     @property
     def total_params(self) -> int:
         if self.total_override is not None:
             return self.total_override
-        return self.embed_params + self.num_layers * self.layer_params + self.hidden
+        rest = self._dense_excess - self.num_layers * self._dense_layer_excess  # (rounding)
+        return self.embed_params + self.num_layers * self.layer_params + self.hidden + rest
 
     @property
     def active_params(self) -> int:
@@ -111,6 +139,8 @@ class ModelShape:
         if not self.is_moe:
             return self.total_params
         routed = self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+        routed += self.dense_layers * (3 * self.hidden * self.intermediate - routed
+                                       - self.dense_mlp_params) // self.num_layers
         per_layer = self.attn_params + self.dense_mlp_params + routed
         scale = self.layer_params / self._computed_layer_params
         return int(self.num_layers * per_layer * scale) + self.embed_params
@@ -126,6 +156,12 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def kv_latent(self) -> int:
+        """MLA: values the KV cache keeps per token and layer (kv_lora_rank + rope); 0
+        otherwise (K and V per kv head)."""
+        return self.mla[1] + self.mla[3] if self.mla else 0
+
     def adapter_params(self, rank: int) -> int:
         """LoRA parameters at ``rank`` on attention and dense/shared MLP projections.
 
@@ -139,7 +175,14 @@ class ModelShape:
         if self.fused_projections:  # one adapter on qkv_proj, one on gate_up_proj
             attn = rank * ((h + q + 2 * kv) + (q + h))
             mlp = rank * ((h + 2 * f) + (f + h))
-        return self.num_layers * (attn + mlp)
+        if self.mla:  # q_a, q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj, o_proj
+            ql, kl, nope, rope, v = self.mla
+            qk = self.num_heads * (nope + rope)
+            attn = rank * ((h + ql) + (ql + qk) if ql else h + qk)
+            attn += rank * ((h + kl + rope) + (kl + self.num_heads * (nope + v))
+                            + (self.num_heads * v + h))
+        dense = self.dense_layers * (rank * 3 * (h + self.intermediate) - mlp)  # (MoE)
+        return self.num_layers * (attn + mlp) + dense
 
 
 def from_config(cfg: dict, name: str = "config") -> ModelShape:
@@ -160,6 +203,14 @@ def from_config(cfg: dict, name: str = "config") -> ModelShape:
     experts = int(c.get("num_local_experts") or c.get("n_routed_experts") or c.get("num_experts") or 0)
     width = int(c.get("moe_intermediate_size") or c.get("intermediate_size", 0)) if experts else 0
     shared = int(c.get("n_shared_experts") or 0)
+    mla, dense = (), 0
+    if c.get("model_type") == "deepseek_v3":  # transformers' defaults for what is left out
+        mla = (int(c.get("q_lora_rank", 1536) or 0), int(c.get("kv_lora_rank", 512)),
+               int(c.get("qk_nope_head_dim", 128)), int(c.get("qk_rope_head_dim", 64)),
+               int(c.get("v_head_dim", 128)))
+        head_dim, kv_heads = mla[2] + mla[3], heads
+        shared = int(c.get("n_shared_experts", 1) or 0)
+        dense = min(layers, int(c.get("first_k_dense_replace", 3)))
     if experts and c.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one wide shared expert
         shared = max(1, round(int(c["shared_expert_intermediate_size"]) / width))
     return ModelShape(
@@ -169,7 +220,7 @@ def from_config(cfg: dict, name: str = "config") -> ModelShape:
         experts_per_token=int(c.get("num_experts_per_tok") or (2 if experts else 0)),
         expert_intermediate=width, shared_experts=shared,
         fused_projections=c.get("model_type") == "phi3",
-        biases=c.get("model_type") == "gpt_oss",
+        biases=c.get("model_type") == "gpt_oss", mla=mla, dense_layers=dense,
     )
 
 
@@ -229,10 +280,12 @@ KNOWN: dict[str, ModelShape] = {s.name: s for s in [
     ModelShape("mistral-7b", 32, 4096, 14336, 32, 8, 128, 32_768),
     ModelShape("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32_000, num_experts=8,
                experts_per_token=2, expert_intermediate=14336),
-    ModelShape("deepseek-v3", 61, 7168, 18432, 128, 128, 128, 129_280, num_experts=256,
-               experts_per_token=8, expert_intermediate=2048, shared_experts=1),
-    ModelShape("kimi-k2", 61, 7168, 18432, 64, 64, 128, 163_840, num_experts=384,
-               experts_per_token=8, expert_intermediate=2048, shared_experts=1),
+    ModelShape("deepseek-v3", 61, 7168, 18432, 128, 128, 192, 129_280, num_experts=256,
+               experts_per_token=8, expert_intermediate=2048, shared_experts=1,
+               mla=(1536, 512, 128, 64, 128), dense_layers=3),
+    ModelShape("kimi-k2", 61, 7168, 18432, 64, 64, 192, 163_840, num_experts=384,
+               experts_per_token=8, expert_intermediate=2048, shared_experts=1,
+               mla=(1536, 512, 128, 64, 128), dense_layers=1),
 ]}
 
 

@@ -109,8 +109,9 @@ def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (what :func:`sdpa` with ``exact`` gives, to the rounding of the fp32 result).
 
     q: [B, Hkv, G, D] (the G query heads of a kv head as G queries of it); k, v: [B, C, Hkv, D]
-    as gathered from a slot-major cache; allowed: bool, broadcastable to [B, Hkv, G, C]
-    (every row allows at least one key); sinks (gpt-oss): [Hkv, G]. Returns [B, Hkv, G, D].
+    as gathered from a slot-major cache (v [B, C, Hkv, Dv]: MLA's values are narrower);
+    allowed: bool, broadcastable to [B, Hkv, G, C] (every row allows at least one key);
+    sinks (gpt-oss): [Hkv, G]. Returns [B, Hkv, G, Dv].
 
     Why not ``sdpa``: at a decode step's shapes (a few queries per head) two batched fp64
     GEMMs over the [B * Hkv] heads and a softmax, with the transposes folded into the fp64
@@ -119,14 +120,15 @@ def decode_attention_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, c, hkv, d = k.shape
     g = q.shape[2]
     k64 = torch.empty(b, hkv, c, d, dtype=torch.float64, device=k.device)
-    v64 = torch.empty_like(k64)
+    dv = v.shape[-1]
+    v64 = torch.empty_like(k64) if dv == d else k64.new_empty(b, hkv, c, dv)
     k64.copy_(k.transpose(1, 2))
     v64.copy_(v.transpose(1, 2))
     s = torch.bmm(q.reshape(b * hkv, g, d).double(), k64.view(b * hkv, c, d).transpose(1, 2))
     s = soft_cap(s.view(b, hkv, g, c).mul_(scale), softcap)  # (Gemma 2: capped scores)
     s = s.masked_fill_(~allowed, float("-inf"))
     p = softmax_with_sinks(s, sinks, torch.float64).view(b * hkv, g, c)
-    return torch.bmm(p, v64.view(b * hkv, c, d)).view(b, hkv, g, d).float()
+    return torch.bmm(p, v64.view(b * hkv, c, dv)).view(b, hkv, g, dv).float()
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -22,6 +22,12 @@ denominator, sliding and full layers alternate (``layer_types``), q/k/v/o carry 
 rotary; its experts (biased, clamped SwiGLU) and router are in ``moe.py``. Its MXFP4
 checkpoints (``quantization_config``) are refused: the loader reads unquantized tensors.
 
+DeepSeek-V3 (``deepseek_v3``): multi-head latent attention (:class:`MLAConfig`, ``mla.py``:
+the KV cache keeps one compressed row per token and layer), the first
+``first_k_dense_replace`` layers dense and the rest a mixture with sigmoid, group-limited
+routing and shared experts (``moe.py``). Its fp8 checkpoints (``quantization_config``) are
+refused like every quantized one.
+
 Rope types (``rope_parameters`` / ``rope_scaling``, computed in ``rope.py``): default,
 linear, llama3, yarn, longrope, dynamic. llama3 / yarn / longrope read
 ``original_max_position_embeddings`` from the top level of config.json where it is there
@@ -32,6 +38,7 @@ per token past a length (``rope.py``: where this differs from transformers)."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -54,6 +61,7 @@ FAMILIES = {
     "gemma2": (False, False),  # (1+w) norms around both sublayers, soft-capping, scaled embeddings
     "gemma3_text": (False, True),  # gemma2 with q/k norms and a rotary per layer kind
     "gpt_oss": (True, False),  # attention sinks, alternating sliding layers, biased MoE
+    "deepseek_v3": (False, False),  # latent attention (MLAConfig), grouped sigmoid routing
 }
 # families whose o_proj bias follows attention_bias (the others have none)
 O_BIAS = ("llama", "qwen3", "qwen3_moe", "smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text",
@@ -64,6 +72,60 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # gpt-oss's rotary when config.json names none (transformers' GptOssConfig default)
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek-V3's multi-head latent attention (``mla.py``). q comes from ``q_proj``, or
+    with ``q_lora_rank`` from ``q_b_proj(norm(q_a_proj(x)))``; ``kv_a_proj_with_mqa`` gives
+    a latent ``c`` [kv_lora_rank] (normed) and one rotary key ``k_pe`` [rope] shared by the
+    heads; ``kv_b_proj`` expands ``c`` into each head's k_nope [nope] and v [v_dim]. q/k heads
+    are nope + rope wide (rope last); ``interleave``: the rope channels come in pairs
+    (transformers' ``rope_interleave``); ``scale``: the softmax scale (yarn's mscale
+    squared where ``mscale_all_dim`` is set)."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope: int
+    rope: int
+    v_dim: int
+    interleave: bool
+    scale: float
+    bias: bool = False  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the KV cache keeps per token and layer: c, then the rotated k_pe."""
+        return self.kv_lora_rank + self.rope
+
+    def params(self, hidden: int, heads: int) -> int:
+        """One layer's attention parameters (projections, their biases, the two norms)."""
+        qk, ql, kl = self.nope + self.rope, self.q_lora_rank, self.kv_lora_rank
+        q = hidden * ql + ql + ql * heads * qk if ql else hidden * heads * qk
+        kv = hidden * (kl + self.rope) + kl + kl * heads * (self.nope + self.v_dim)
+        bias = (ql + kl + self.rope + hidden) if self.bias else 0
+        return q + kv + heads * self.v_dim * hidden + bias
+
+    @classmethod
+    def from_hf(cls, hf: dict, rope: dict, rope_type: str, source: str) -> "MLAConfig":
+        need = {k: hf.get(k, d) for k, d in (("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+                                             ("qk_rope_head_dim", 64), ("v_head_dim", 128))}
+        ql = hf.get("q_lora_rank", 1536)
+        if ql is not None:
+            need["q_lora_rank"] = ql
+        for k, v in need.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise OrbitError(f"{source}: key {k!r} must be a positive integer, got {v!r}")
+        if need["qk_rope_head_dim"] % 2:
+            raise OrbitError(f"{source}: qk_rope_head_dim {need['qk_rope_head_dim']} must be even")
+        scale = (need["qk_nope_head_dim"] + need["qk_rope_head_dim"]) ** -0.5
+        if rope_type != "default" and rope.get("mscale_all_dim"):  # transformers' yarn_apply_mscale
+            m = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0 \
+                if rope["factor"] > 1 else 1.0
+            scale = scale * m * m
+        return cls(ql or 0, need["kv_lora_rank"], need["qk_nope_head_dim"],
+                   need["qk_rope_head_dim"], need["v_head_dim"],
+                   bool(hf.get("rope_interleave", True)), scale,
+                   bool(hf.get("attention_bias", False)))
 
 
 @dataclass
@@ -123,6 +185,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     moe: object = None  # MoEConfig (model/moe.py) for the mixture-of-experts families
+    # DeepSeek-V3: latent attention (head_dim: the q/k head, nope + rope; rotary_dim: rope)
+    mla: MLAConfig | None = None
     hf: dict = field(default_factory=dict, repr=False)  # the raw config.json, for export
 
     def __post_init__(self):
@@ -142,7 +206,17 @@ class ModelConfig:
     def attn_scale(self) -> float:
         """The attention scores' scale (transformers': ``query_pre_attn_scalar ** -0.5``
         where the family has it, else ``head_dim ** -0.5``)."""
+        if self.mla is not None:
+            return self.mla.scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """One token's paged KV per layer: (heads, channels, whether V is stored apart).
+        K and V per kv head, or MLA's one latent row (c and the rotated k_pe, no V)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, False
+        return self.num_kv_heads, self.head_dim, True
 
     def local_rope_config(self) -> "ModelConfig":
         """This config with the sliding layers' rotary parameters (Gemma 3), for a Rotary."""
@@ -166,6 +240,8 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         attn += (2 * d if self.qk_norm else 0) + (h if self.o_bias else 0)
         attn += (q + kv if self.qk_norm_full else 0) + (self.num_heads if self.attn_sinks else 0)
+        if self.mla is not None:
+            attn = self.mla.params(h, self.num_heads)
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         ffn = self.num_layers * mlp
         if self.moe is not None:  # sparse layers hold experts, a router (and a shared expert)
@@ -212,6 +288,9 @@ class ModelConfig:
             raise OrbitError(f"{source}: unsupported rope type {rope_type!r} "
                              f"(supported: {', '.join(ROPE_TYPES)})")
         phi = _phi3(hf, mt, rope, source)  # {} for the other families
+        if mt == "deepseek_v3":  # q/k heads nope + rope wide, rope the rotary part
+            mla = MLAConfig.from_hf(hf, rope, rope_type, source)
+            phi = dict(mla=mla, head_dim=mla.nope + mla.rope, rotary_dim=mla.rope)
         _check_rope(hf, rope, rope_type, phi.get("rotary_dim") or
                     hf.get("head_dim") or hidden // heads, source)
         if mt in ("qwen2", "qwen2_moe"):
@@ -221,12 +300,14 @@ class ModelConfig:
         else:
             qkv_bias = bool(hf.get("attention_bias", qkv_default))
         windows = gemma.pop("sliding_windows", None) or _sliding_windows(hf, mt, n_layers)
+        head_dim = phi.pop("head_dim", None) or hf.get("head_dim") or \
+            (256 if mt in GEMMA else hidden // heads)
 
         moe = MoEConfig.from_hf(hf, mt, n_layers, source)
         return cls(
             model_type=mt, num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or (256 if mt in GEMMA else hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_type=rope_type, rope_params=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),

@@ -1,10 +1,11 @@
 """The one decoder (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / OLMo 2-3 / Gemma 2-3 / Phi-3,
-and the mixture-of-experts families Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss through
-``moe.py``) that rolls out, scores and trains. What sets the families apart is read from
-``ModelConfig``: norm placement (pre-norm, OLMo's post-norm, Gemma's sandwich), Gemma's
-(1 + w) norms, scaled embeddings, attention scale and soft-capping (``attention.soft_cap``,
-in every attention path and in ``Decoder.head``), gpt-oss's attention sinks (handed to every
-attention path), and which rotary each layer takes.
+and the mixture-of-experts families Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss / DeepSeek-V3
+through ``moe.py``; DeepSeek-V3's latent attention in ``mla.py``) that rolls out, scores
+and trains. What sets the families apart is read from ``ModelConfig``: norm placement
+(pre-norm, OLMo's post-norm, Gemma's sandwich), Gemma's (1 + w) norms, scaled embeddings,
+attention scale and soft-capping (``attention.soft_cap``, in every attention path and in
+``Decoder.head``), gpt-oss's attention sinks (handed to every attention path), and which
+rotary each layer takes.
 
 Module names follow Hugging Face's (``model.layers.3.self_attn.q_proj``) so that weights
 and PEFT adapter names map one to one (see ``weights.py``); Phi-3/4 keep their fused
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from orbitrl.model.attention import build_mask, dense_attention, soft_cap
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.dtensor import is_dtensor
+from orbitrl.model.mla import MLAttention
 from orbitrl.model.moe import Routing, make_ffn
 from orbitrl.model.rope import Rotary, apply_rotary
 
@@ -172,7 +174,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        # DeepSeek-V3: multi-head latent attention (mla.py)
+        self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if cfg.mla is not None \
+            else Attention(cfg, layer_idx)
         # "mlp" (Mixtral: "block_sparse_moe"): a dense MLP or a sparse mixture (moe.py)
         self.ffn_name, ffn = make_ffn(cfg, layer_idx, lambda: MLP(cfg))
         setattr(self, self.ffn_name, ffn)

@@ -1,5 +1,5 @@
-"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) and
-routing I/O.
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss,
+DeepSeek-V3) and routing I/O.
 
 A sparse layer holds a router (``gate``: one logit per expert), ``num_experts`` SwiGLU
 experts and, for Qwen2-MoE, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
@@ -13,6 +13,13 @@ logits; experts have biases and a clamped SwiGLU (:func:`clamped_swiglu`). Its c
 store each layer's experts fused (``mlp.experts.gate_up_proj`` and the rest); the loader
 splits them into the same per-expert projections (``mlp.experts.3.gate_proj``) and export
 fuses them back (``weights.py``).
+
+DeepSeek-V3: sigmoid scores; the experts are chosen on the scores plus a correction bias
+(``gate.e_score_correction_bias``, a buffer), within the ``topk_group`` of ``n_group``
+expert groups whose two best corrected scores sum highest; the weights are the uncorrected
+scores at the chosen experts, renormalised when ``norm_topk_prob``, times
+``routed_scaling_factor`` (:func:`route`). Its shared experts (``mlp.shared_experts``, one
+SwiGLU ``n_shared_experts`` experts wide) are added ungated.
 
 Experts are computed grouped: the (token, slot) pairs are sorted by expert once, and each
 active expert runs one matmul chain over its contiguous slice; inactive experts are never
@@ -39,11 +46,12 @@ import torch.nn.functional as F
 from orbitrl.errors import OrbitError
 from orbitrl.model.quant import FrozenLinear
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 # projection names (gate, up, down) of one expert, per family (gpt-oss: ours, see weights.py)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                  "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-                 "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
+                 "gpt_oss": ("gate_proj", "up_proj", "down_proj"),
+                 "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
 # a routed expert's projection, by module name (LoRA leaves these out unless asked)
 ROUTED_EXPERT = re.compile(r".*\.(mlp|block_sparse_moe)\.experts\.\d+\.\w+$")
 
@@ -64,6 +72,9 @@ class MoEConfig:
     bias: bool = False  # gpt-oss: the router and every expert projection have biases
     swiglu: tuple | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU
     softmax_topk: bool = False  # gpt-oss: the weights are a softmax over the k chosen logits
+    # DeepSeek-V3: sigmoid scores, a correction bias, group-limited choice (route's
+    # ``grouped``): (n_group, topk_group, routed_scaling_factor)
+    grouped: tuple | None = None
 
     @classmethod
     def from_hf(cls, hf: dict, mt: str, n_layers: int, source: str) -> "MoEConfig | None":
@@ -71,25 +82,50 @@ class MoEConfig:
         if mt not in MOE_FAMILIES:
             return None
         local = mt in ("mixtral", "gpt_oss")  # num_local_experts, as wide as intermediate_size
-        key = "num_local_experts" if local else "num_experts"
+        deep = mt == "deepseek_v3"
+        if deep:  # transformers' defaults for the keys a config leaves out
+            hf = {"n_routed_experts": 256, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 2048, **hf}
+        key = "num_local_experts" if local else "n_routed_experts" if deep else "num_experts"
         experts = hf.get(key, hf.get("num_local_experts"))
         width = hf.get("intermediate_size") if local else hf.get("moe_intermediate_size")
         need = {key: experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
                 "intermediate_size" if local else "moe_intermediate_size": width}
         if mt == "qwen2_moe":
             need["shared_expert_intermediate_size"] = hf.get("shared_expert_intermediate_size")
+        if deep:
+            need.update((k, hf.get(k, d)) for k, d in (("n_group", 8), ("topk_group", 4)))
+            if hf.get("n_shared_experts", 1):
+                need["n_shared_experts"] = hf.get("n_shared_experts", 1)
+            first = hf.get("first_k_dense_replace", 3)
+            if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+                raise OrbitError(f"{source}: key 'first_k_dense_replace' must be an integer "
+                                 f">= 0, got {first!r}")
         for k, v in need.items():
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise OrbitError(f"{source}: key {k!r} must be a positive integer, got {v!r}")
         if need["num_experts_per_tok"] > experts:
             raise OrbitError(f"{source}: num_experts_per_tok {need['num_experts_per_tok']} "
                              f"exceeds {key} {experts}")
+        grouped, shared = None, need.get("shared_expert_intermediate_size", 0)
+        if deep:
+            g, tg = need["n_group"], need["topk_group"]
+            if experts % g or tg > g or experts // g < 2 or tg * experts // g < need[
+                    "num_experts_per_tok"]:
+                raise OrbitError(f"{source}: n_group {g} / topk_group {tg} do not fit {key} "
+                                 f"{experts} with num_experts_per_tok "
+                                 f"{need['num_experts_per_tok']} (groups of 2 or more experts "
+                                 "that hold the top-k)")
+            grouped = (g, tg, float(hf.get("routed_scaling_factor", 2.5)))
+            shared = width * need.get("n_shared_experts", 0)
         if hf.get("router_jitter_noise"):
             raise OrbitError(f"{source}: router_jitter_noise {hf['router_jitter_noise']} is not "
                              "supported (set it to 0)")
         step = hf.get("decoder_sparse_step", 1) or 1
         dense = set(hf.get("mlp_only_layers") or [])
         sparse = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        if deep:  # the first first_k_dense_replace layers are dense
+            sparse = tuple(range(first, n_layers))
         gpt = mt == "gpt_oss"
         swiglu = None
         if gpt:
@@ -99,9 +135,8 @@ class MoEConfig:
                     raise OrbitError(f"{source}: key {k!r} must be a positive number, got {v!r}")
             swiglu = tuple(float(v) for v in swiglu)
         return cls(mt, experts, need["num_experts_per_tok"], width,
-                   local or bool(hf.get("norm_topk_prob", False)),
-                   need.get("shared_expert_intermediate_size", 0), sparse, bias=gpt,
-                   swiglu=swiglu, softmax_topk=gpt)
+                   local or bool(hf.get("norm_topk_prob", deep)), shared, sparse, bias=gpt,
+                   swiglu=swiglu, softmax_topk=gpt, grouped=grouped)
 
     @property
     def ffn_attr(self) -> str:
@@ -113,12 +148,19 @@ class MoEConfig:
         """The sparse layer attribute holding the router (the checkpoints' name)."""
         return "router" if self.family == "gpt_oss" else "gate"
 
+    @property
+    def shared_attr(self) -> str:
+        """The sparse layer attribute holding the shared expert(s) (DeepSeek-V3: plural,
+        and no gate)."""
+        return "shared_experts" if self.family == "deepseek_v3" else "shared_expert"
+
     def ffn_params(self, layer: int, hidden: int, dense_params: int) -> int:
         """Parameters of layer ``layer``'s feed-forward (router, biases and shared expert
         included)."""
         if layer not in self.sparse_layers:
             return dense_params
-        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
+        shared = 3 * hidden * self.shared_intermediate + (self.grouped is None) * hidden \
+            if self.shared_intermediate else 0
         w = self.expert_intermediate
         bias = 2 * w + hidden + 1 if self.bias else 0  # gate, up, down and a router logit
         return self.num_experts * (3 * hidden * w + hidden + bias) + shared
@@ -215,11 +257,15 @@ def replay_routing(model, replay: torch.Tensor | None, aux: bool = False) -> Rou
 # ---- routing and experts ------------------------------------------------------------------
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None = None,
-          softmax_topk: bool = False):
+          softmax_topk: bool = False, grouped: tuple | None = None):
     """Top-k routing from router logits [N, E]: softmax in fp32, the k largest (or the given
     ``ids`` [N, k], -1 = choose), renormalised over the k when ``norm``; with
     ``softmax_topk`` (gpt-oss, as transformers computes it) the k largest logits, then a
-    softmax over those k. Returns (ids [N, k] long, weights [N, k] in the logits' dtype)."""
+    softmax over those k; with ``grouped`` (DeepSeek-V3: correction bias [E], n_group,
+    topk_group, routed_scaling_factor) see :func:`_route_grouped`. Returns (ids [N, k]
+    long, weights [N, k] in the logits' dtype)."""
+    if grouped is not None:
+        return _route_grouped(logits, top_k, norm, ids, *grouped)
     probs = logits if softmax_topk else torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if ids is not None:
@@ -232,6 +278,29 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, ids: torch.Tensor | None
     elif norm:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return top_i, top_w.to(logits.dtype)
+
+
+def _route_grouped(logits, top_k: int, norm: bool, ids, bias: torch.Tensor, groups: int,
+                   keep: int, scale: float):
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``): sigmoid scores; the
+    choice ranks ``scores + bias`` within the ``keep`` groups (of ``groups`` equal ones)
+    whose two best corrected scores sum highest; the weights are the uncorrected scores at
+    the chosen (or replayed) ids, over their sum (+1e-20) when ``norm``, times ``scale``.
+    The bias only chooses: it carries no gradient and is not in the weights."""
+    scores = _by_rows(torch.sigmoid, logits.float())  # a row's bits whatever the row count
+    n, e = scores.shape
+    choice = scores + bias
+    best = choice.view(n, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+    kept = torch.zeros_like(best).scatter_(1, torch.topk(best, keep, dim=-1, sorted=False)[1], 1)
+    choice = choice.masked_fill(~kept.bool().repeat_interleave(e // groups, 1), float("-inf"))
+    top_i = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    if ids is not None:
+        ids = ids.to(device=logits.device, dtype=torch.long)
+        top_i = torch.where((ids < 0).any(-1, keepdim=True), top_i, ids)
+    w = scores.gather(1, top_i)
+    if norm:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_i, (w * scale).to(logits.dtype)
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -386,14 +455,24 @@ def _call(lin):
 class Router(nn.Module):
     """The router's weight [E, H] (``gate.weight``; gpt-oss: ``router.weight`` and a bias
     [E]). Not an ``nn.Linear``: it is neither quantized nor adapted (a routing decision
-    should not move through a low-rank delta)."""
+    should not move through a low-rank delta). ``correction`` (DeepSeek-V3): the fp32
+    buffer ``e_score_correction_bias`` [E] that only chooses experts (``route``), and
+    logits computed in fp32 whatever the model dtype (transformers keeps this router in
+    fp32)."""
 
-    def __init__(self, hidden: int, num_experts: int, bias: bool = False):
+    def __init__(self, hidden: int, num_experts: int, bias: bool = False,
+                 correction: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_parameter("bias", nn.Parameter(torch.empty(num_experts)) if bias else None)
+        self.fp32 = correction
+        if correction:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x):
+        if self.fp32:
+            return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight, self.bias)
 
 
@@ -409,36 +488,44 @@ class SparseMoE(nn.Module):
         super().__init__()
         m: MoEConfig = cfg.moe
         self.moe_index, self.top_k, self.norm = moe_index, m.top_k, m.norm_topk_prob
-        self.softmax_topk = m.softmax_topk
+        self.softmax_topk, self.grouped = m.softmax_topk, m.grouped
         h = cfg.hidden_size
         self.router_attr = m.router_attr  # "gate" ("router": gpt-oss)
-        setattr(self, m.router_attr, Router(h, m.num_experts, m.bias))
+        setattr(self, m.router_attr, Router(h, m.num_experts, m.bias, m.grouped is not None))
         names = _EXPERT_NAMES[m.family]
         self.experts = nn.ModuleList(Expert(h, m.expert_intermediate, names, m.bias, m.swiglu)
                                      for _ in range(m.num_experts))
-        if m.shared_intermediate:
-            self.shared_expert = Expert(h, m.shared_intermediate, names)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        # "shared_expert" behind a sigmoid gate (Qwen2-MoE), "shared_experts" ungated
+        # (DeepSeek-V3), or none
+        self.shared_attr = m.shared_attr if m.shared_intermediate else None
+        self.shared_expert_gate = None
+        if self.shared_attr:
+            setattr(self, self.shared_attr, Expert(h, m.shared_intermediate, names))
+            if m.grouped is None:
+                self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.packed = self._pack_views = None  # see pack_experts
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self._modules[self.router_attr](x)
+        router = self._modules[self.router_attr]
+        logits = router(x)
         replay = None
         if routing is not None and routing.replay is not None:
             replay = routing.replay[self.moe_index]
-        ids, w = route(logits, self.top_k, self.norm, replay, self.softmax_topk)
+        grouped = None if self.grouped is None else (router.e_score_correction_bias,
+                                                     *self.grouped)
+        ids, w = route(logits, self.top_k, self.norm, replay, self.softmax_topk, grouped)
         if routing is not None:
             if routing.record:
                 routing.chosen[self.moe_index] = ids.detach()
             if routing.aux:
                 routing.logits[self.moe_index] = (logits, ids)
         out = grouped_experts(x, ids, w, self.experts, _packed_weights(self))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + self._shared_gate(x) * self.shared_expert(x)
+        elif self.shared_attr is not None:
+            out = out + self._modules[self.shared_attr](x)
         return out.view(shape)
 
     def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:

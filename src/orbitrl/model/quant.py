@@ -35,10 +35,12 @@ _DEVICES = {"fp32": None, "bf16": None, "int4": None, "int8": ("cpu", "cuda"),
 _LIBRARY = {"int8": "torchao Int8Tensor", "nf4": "torchao NF4Tensor"}
 
 # Projection weights inside decoder layers: what the loader quantizes (embeddings, norms and
-# the LM head stay in the load dtype). Mixtures: every expert projection too (each
-# dequantized only when its expert runs); routers and the shared-expert gate stay as loaded.
+# the LM head stay in the load dtype; DeepSeek-V3's latent projections are quantized too).
+# Mixtures: every expert projection too (each dequantized only when its expert runs);
+# routers and the shared-expert gate stay as loaded.
 QUANTIZED_WEIGHTS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\."
-                               r"((shared_expert|experts\.\d+)\.)?(\w+_proj|w[123])\.weight")
+                               r"((shared_experts?|experts\.\d+)\.)?"
+                               r"(\w+_proj|w[123]|kv_a_proj_with_mqa)\.weight")
 
 
 def _torchao():

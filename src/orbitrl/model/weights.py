@@ -54,9 +54,17 @@ _HF_NAMES = [
     r"model\.layers\.\d+\.self_attn\.sinks",
     r"model\.layers\.\d+\.mlp\.router\.(weight|bias)",
     r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?",
+    # DeepSeek-V3: latent attention (mla.py), the router's correction bias (a buffer),
+    # ungated shared experts
+    r"model\.layers\.\d+\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)",
+    r"model\.layers\.\d+\.self_attn\.(q_b_proj|kv_b_proj)\.weight",
+    r"model\.layers\.\d+\.self_attn\.(q_a|kv_a)_layernorm\.weight",
+    r"model\.layers\.\d+\.mlp\.gate\.e_score_correction_bias",
+    r"model\.layers\.\d+\.mlp\.shared_experts\.(gate|up|down)_proj\.weight",
 ]
 _HF_RE = re.compile("|".join(f"(?:{p})" for p in _HF_NAMES))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -194,7 +202,8 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
                group_size: Optional[int] = None, extra: Optional[dict] = None) -> Decoder:
     """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, OLMo 2/3,
-    Gemma 2/3 text, Phi-3/4; Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) into our decoder.
+    Gemma 2/3 text, Phi-3/4; Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3) into our
+    decoder.
 
     Args:
         path: directory with config.json and model.safetensors (or an index + shards).
@@ -224,6 +233,9 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
     with empty_modules():
         model = Decoder(cfg)
     expected = dict(model.named_parameters())  # tied lm_head appears once, as embed
+    # buffers a checkpoint holds (DeepSeek-V3's correction bias): kept in their fp32
+    buffers = {n: b for n, b in model.named_buffers() if hf_to_ours_safe(n)}
+    expected.update(buffers)
     replaced: set[str] = set()
     seen: set[str] = set()
     for key, f, t in iter_checkpoint(path):
@@ -237,6 +249,9 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
                              ) from None
         if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= cfg.num_layers and cfg.mla is not None:
+            continue  # DeepSeek-V3's multi-token-prediction layers (not run here)
         for name, t in split_experts(cfg, key, t, f) or [(name, t)]:
             if name not in expected:
                 raise OrbitError(f"{f}: weight {key!r} does not exist in this "
@@ -246,6 +261,11 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
             if tuple(t.shape) != want:
                 raise OrbitError(f"{f}: weight {key!r} has shape {tuple(t.shape)}, "
                                  f"config.json implies {want}")
+            if name in buffers:
+                model.get_submodule(name.rpartition(".")[0])._buffers[
+                    name.rpartition(".")[2]] = t.to(device, buffers[name].dtype)
+                seen.add(name)
+                continue
             t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
             if on_tensor is not None:
                 out = on_tensor(model, name, t)
@@ -286,7 +306,7 @@ def export_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
             for k, v in mod.dequantized_state().items():
                 out[f"{mod_name}.{k}"] = v
             continue
-        for leaf, p in mod.named_parameters(recurse=False):
+        for leaf, p in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
             out[f"{mod_name}.{leaf}" if mod_name else leaf] = p.detach()
     if model.config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
@@ -351,7 +371,7 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "smollm3": "SmolLM3ForCausalLM",
          "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "phi3": "Phi3ForCausalLM",
          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-         "gpt_oss": "GptOssForCausalLM"}
+         "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def _write_atomic(path: Path, write: Callable[[str], None]):
