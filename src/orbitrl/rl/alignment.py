@@ -26,8 +26,8 @@ import threading
 import torch
 
 from orbitrl.engine import Engine, Request, SamplingParams
+from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.errors import OrbitError
-from orbitrl.ledger.kv import kv_bytes_per_token
 from orbitrl.model.attention import soft_cap
 from orbitrl.observe.alignment import AlignmentBounds, compare, violations
 from orbitrl.train.logprobs import token_logprobs
@@ -38,13 +38,12 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
                                                                 torch.Tensor]]:
     """(completion ids, engine logits [T, V], engine raw logprobs [T]) per prompt."""
     cfg = model.config
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     longest = max(len(p) for p in prompts) + max_tokens + 16
     # packed_bytes=0: the trainer's GEMMs (a run's rollout engine packs its weights only
-    # with rollout.packed_weights on, or auto on a large enough model: rl/rollout.py)
+    # with rollout.packed_weights on, or auto on a large enough model: rl/rollout.py); the
+    # pool as the engine lays it out (a latent-attention model's one row per token)
     engine = Engine(model, tok, max_num_seqs=1, packed_bytes=0,
-                    kv_budget_bytes=longest * kv_bytes_per_token(
-                        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype))
+                    kv_budget_bytes=-(-longest // 16) * kv_block_bytes(model, None, 16))
     rows: list[torch.Tensor] = []
     me = threading.get_ident()  # (a rollout thread may share the model: overlapped mode)
 
