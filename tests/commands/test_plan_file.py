@@ -102,6 +102,14 @@ def test_train_runs_the_plan(tmp_path, capsys):
     assert step["predicted"] == doc["predicted"]["step_s"] and step["steps"] == 2
     assert step["measured"] > 0 and step["ratio"] == pytest.approx(
         step["measured"] / step["predicted"])
+    # per role: the plan's bytes beside what the role held; the actor's weights and AdamW
+    # moments, the engine's KV pool (an adapter run has no reference copy of its own)
+    roles = s["role_bytes"]
+    whole = json.loads((run / "summary.json").read_text())["role_bytes"]
+    assert roles["actor"]["measured"] == whole["actor"] > 0
+    assert roles["rollout_kv"]["measured"] == whole["rollout_kv"] > 0
+    assert whole["reference"] == 0 and whole["critic"] == 0
+    assert roles["actor"]["predicted"] == doc["predicted"]["role_bytes"]["actor"]
     out = capsys.readouterr().out
     assert "plan step time (planned -> measured)" in out
 

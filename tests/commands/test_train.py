@@ -202,11 +202,12 @@ def test_eval_of_a_run_encodes_prompts_as_the_run_did(run_dir, tmp_path, monkeyp
 
     seen = []
     real = tokenizer.encode_prompt
+    # (every prompt, and the one probe that asks whether the template opens a thought)
     monkeypatch.setattr(tokenizer, "encode_prompt",
                         lambda tok, text, chat_template=False, **kw:
                         seen.append(chat_template) or real(tok, text, chat_template, **kw))
     assert main(["eval", "--run", str(run_dir), "--limit", "4"]) == 0
-    assert seen == [False] * 4
+    assert seen == [False] * 5
     run = tmp_path / "run"
     shutil.copytree(run_dir / "checkpoints" / "final", run / "checkpoints" / "final")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -214,4 +215,4 @@ def test_eval_of_a_run_encodes_prompts_as_the_run_did(run_dir, tmp_path, monkeyp
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     seen.clear()
     assert main(["eval", "--run", str(run), "--limit", "4"]) == 0
-    assert seen == [True] * 4
+    assert seen == [True] * 5

@@ -179,3 +179,20 @@ def test_critic_starts_from_a_sequence_classifier(tmp_path, mode):
     three.save_pretrained(tmp_path / "rm3")
     with pytest.raises(OrbitError, match="3 labels"):
         make(f"critic.path={tmp_path / 'rm3'}")
+
+
+def test_measured_role_bytes_count_the_shared_base_once():
+    """summary.json's role_bytes (observe/memory.py role_bytes): an adapter critic over the
+    shared base holds its adapters, its head and their AdamW moments, nothing more."""
+    from orbitrl.observe.memory import role_bytes
+
+    tr = make()
+    tr.step()
+    got = role_bytes({"actor": [tr.model, tr.opt],
+                      "critic": [tr.critic.module, tr.critic.opt]})
+    n = sum(p.numel() for p in tr.critic.parameters())
+    tensors = len(tr.critic.parameters())
+    assert 12 * n <= got["critic"] <= 12 * n + 16 * tensors  # + AdamW's step counters
+    # the actor: the same adapters and moments plus the base the critic shares
+    base = sum(p.numel() * p.element_size() for p in tr.model.parameters() if not p.requires_grad)
+    assert got["actor"] >= got["critic"] + 0.9 * base

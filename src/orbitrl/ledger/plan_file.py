@@ -145,5 +145,9 @@ def compare(doc: dict, path: str | Path, summary: dict, step_s: float | None,
                                   "ratio": _ratio(peak, pred.get("peak_bytes_per_device"))},
         "step_s": {"predicted": pred.get("step_s"), "measured": step_s, "steps": steps,
                    "ratio": _ratio(step_s, pred.get("step_s"))},
-        "role_bytes_predicted": pred.get("role_bytes", {}),
+        # per role: the plan's device bytes in the role's largest phase (gradients and
+        # activations included) against what the role held resident at the end of the run
+        "role_bytes": {r: {"predicted": b, "measured": (summary.get("role_bytes") or {}).get(r),
+                           "ratio": _ratio((summary.get("role_bytes") or {}).get(r), b)}
+                       for r, b in pred.get("role_bytes", {}).items()},
     }

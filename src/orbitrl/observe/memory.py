@@ -270,6 +270,18 @@ def tensor_bytes(*holders, touch: bool = False, device=None) -> int:
     return sum(seen.values())
 
 
+def role_bytes(roles: dict) -> dict[str, int]:
+    """Bytes of the tensor storages each role holds, ``roles`` mapping a role to its holders
+    (modules, optimizers, objects with tensor attributes) in order: a storage two roles share
+    (an adapter critic's frozen base is the actor's) counts for the first that holds it."""
+    out, seen = {}, []
+    for role, holders in roles.items():
+        before = tensor_bytes(*seen) if seen else 0
+        seen += [h for h in holders if h is not None]
+        out[role] = tensor_bytes(*seen) - before
+    return out
+
+
 class ProbedPhaseTimer(PhaseTimer):
     """:class:`PhaseTimer` that also records each phase's net peak through a probe."""
 

@@ -23,6 +23,7 @@ from orbitrl.model.builtin import pinned_revision, resolve_model_path
 from orbitrl.model.lora import routed_adapters
 from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import save_pretrained
+from orbitrl.observe.memory import role_bytes
 from orbitrl.observe.metrics import ExternalWriters, MetricsWriter, peak_rss_bytes, read_metrics
 from orbitrl.observe.schedule import balance_line
 from orbitrl.rewards import get_reward
@@ -316,6 +317,12 @@ def run_summary(trainer, start: RunStart, after: dict, stopped: str, clock: RunC
         **trainer.skip_counts(),
         "mode": cfg.train.mode, "algo": cfg.algo.name, "resumed": start.resumed,
         **(mem := trainer.mem.summary()),
+        # what each role holds resident at the end (weights, optimizer state, the KV pool);
+        # activations and gradients come and go within a phase (the measured phase peaks)
+        "role_bytes": role_bytes({
+            "actor": [trainer.model, trainer.opt],
+            "critic": [trainer.critic.module, trainer.critic.opt] if trainer.critic else [],
+            "reference": [trainer.policy.reference], "rollout_kv": [trainer.engine.cache]}),
         **extra_acc,
     }
     if coll.enabled:
