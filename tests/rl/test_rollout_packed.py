@@ -106,3 +106,38 @@ def test_auto_packs_what_the_rollout_phase_leaves_below_the_training_peak(monkey
     for sets in (["rollout.overlap=true"], ["rollout.packed_weights=off"]):
         c = load_config(None, SMALL + sets)
         assert rollout_mod.packed_budget(c, model, prompt_len, blocks, tr.device, 1) == 0
+
+
+def test_a_packed_rollout_alone_takes_every_core(monkeypatch):
+    """rollout.threads auto: every core for a rollout that runs alone on packed weights
+    (train.threads 1: the process runs one intra-op thread), the thread count restored
+    after; the key's own value wins; the overlapped rollout (beside training), an unpacked
+    engine and a process already on more threads keep theirs."""
+    import torch
+
+    from orbitrl.rl.parallel import intra_op_threads
+
+    monkeypatch.setattr(rollout_mod, "cores", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        packed = make_trainer(*SMALL, "rollout.packed_weights=on")
+        seen = []
+        real = packed.engine.generate
+        packed.engine.generate = lambda *a, **kw: seen.append(torch.get_num_threads()) or \
+            real(*a, **kw)
+        assert packed.source.refill.rollouts.threads == 4
+        packed.step()
+        assert seen and set(seen) == {4} and torch.get_num_threads() == 1
+        r = load_config(None, ["rollout.threads=3"]).rollout
+        assert rollout_mod.rollout_threads(r, packed.engine, False) == 3
+        auto = load_config(None, []).rollout
+        assert rollout_mod.rollout_threads(auto, packed.engine, True) == 0  # torchrun
+        over = load_config(None, ["rollout.overlap=true"]).rollout
+        assert rollout_mod.rollout_threads(over, packed.engine, False) == 0
+        plain = make_trainer(*SMALL, "rollout.packed_weights=off")
+        assert plain.source.refill.rollouts.threads == 0
+        with intra_op_threads(2):
+            assert rollout_mod.rollout_threads(auto, packed.engine, False) == 0
+    finally:
+        torch.set_num_threads(before)

@@ -128,6 +128,35 @@ class MLAConfig:
                    bool(hf.get("attention_bias", False)))
 
 
+class NotNative(OrbitError):
+    """A causal LM that transformers knows and orbitrl has no native code for: the caller
+    loads it through the transformers-backed policy (``model/hf_fallback.py``)."""
+
+
+def _not_native(hf: dict, mt, source: str) -> OrbitError:
+    """``NotNative`` for a causal LM transformers knows, else the one-line error: a model
+    that is not a causal LM (by its ``architectures``, else by transformers' causal-LM
+    table for its ``model_type``), or one transformers does not know."""
+    import transformers  # start-up: only a config outside FAMILIES pays the import
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # as above
+    from transformers.models.auto.modeling_auto import (  # as above
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+    archs = list(hf.get("architectures") or [])
+    named = f"model_type {mt!r} (architecture {archs[0] if archs else '?'})"
+    if mt not in CONFIG_MAPPING_NAMES:
+        return OrbitError(f"{source}: {named} is not known to transformers "
+                          f"{transformers.__version__} (native model_type: "
+                          f"{', '.join(FAMILIES)})")
+    causal = (any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) if archs
+              else mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if not causal:
+        return OrbitError(f"{source}: {named} is not a causal language model")
+    return NotNative(f"{source}: {named} has no native code: `orbitrl train` runs it through "
+                     f"transformers (docs/models.md); this needs a native model_type "
+                     f"({', '.join(FAMILIES)})")
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -259,9 +288,7 @@ class ModelConfig:
                              "tower beside the language model) is not supported; its "
                              "text-only checkpoints (model_type 'gemma3_text') are")
         if mt not in FAMILIES:
-            arch = hf.get("architectures") or [mt]
-            raise OrbitError(f"{source}: unsupported architecture {arch[0]!r} (model_type "
-                             f"{mt!r}); supported model_type: {', '.join(FAMILIES)}")
+            raise _not_native(hf, mt, source)
         if hf.get("quantization_config"):
             method = (hf["quantization_config"] or {}).get("quant_method", "?")
             raise OrbitError(f"{source}: quantization_config ({method}) is not supported: "

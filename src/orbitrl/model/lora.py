@@ -125,11 +125,13 @@ class LoRALinear(nn.Module):
 def candidate_linears(model: nn.Module, experts: bool = False) -> dict[str, nn.Module]:
     """Linear layers inside the decoder layers that LoRA may target (not the LM head, not
     layers already inside an adapter, a mixture's routed experts only with ``experts``), by
-    HF module name."""
+    HF module name (the layers under ``model.layers.``, or the model's ``layers_prefix``:
+    a transformers module's own layer list, ``hf_fallback.py``)."""
     inside = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    prefix = getattr(model, "layers_prefix", "model.layers.")
     out = {}
     for name, mod in model.named_modules():
-        if not name.startswith("model.layers.") or any(name.startswith(p + ".") for p in inside):
+        if not name.startswith(prefix) or any(name.startswith(p + ".") for p in inside):
             continue
         if not experts and ROUTED_EXPERT.fullmatch(name):
             continue

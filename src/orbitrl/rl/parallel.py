@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
@@ -42,10 +43,29 @@ def resolve_workers(cfg, device: torch.device, distributed: bool, fused: bool,
     if serial:
         return 1
     if w == 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
-        return max(1, min(2, cores))
+        return max(1, min(2, cores()))
     return w
+
+
+def cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+
+
+@contextmanager
+def intra_op_threads(n: int):
+    """The calling thread's intra-op threads set to ``n`` inside (0: left as they are),
+    restored after."""
+    if n <= 0:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Workers:

@@ -9,10 +9,13 @@ device is not the host, the reference's layers are copied to it one at a time as
 (``LayerResidency``: the next ones prefetched, each released after use) and its embeddings
 and head live there; on the host it computes in place. ``train.tiers`` puts the policy's
 own layers on the same tiers (and the reference's, with the same prefetch depth).
+A causal LM without native code trains through its transformers module instead
+(``fallback_policy``; docs/models.md, "Fallback").
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +28,10 @@ from orbitrl.engine.governor import available_memory
 from orbitrl.ledger.runtime import choose_base_dtype, forced_recompute, reference_needed
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.config import ModelConfig, NotNative
 from orbitrl.model.decoder import Decoder
-from orbitrl.model.lora import adapter_parameters, apply_lora
+from orbitrl.model.hf_fallback import load_hf_model
+from orbitrl.model.lora import adapter_parameters, apply_lora, candidate_linears
 from orbitrl.model.quant import cache_dequantized, check_format, finish_frozen, quantizing_hook
 from orbitrl.model.weights import load_model
 from orbitrl.train.residency import LayerResidency
@@ -82,6 +87,9 @@ def resolve_base(cfg: Config, device, prompt_len: int, distributed: bool):
     (every rank must choose alike, whatever its own free memory)."""
     if cfg.model.base_dtype != "auto":
         return
+    if not native(resolve_model_path(cfg.model.path, cfg.model.revision)):
+        cfg.model.base_dtype = "fp32" if cfg.model.dtype == "fp32" else "bf16"
+        return
     if distributed:
         cfg.model.base_dtype = "nf4" if cfg.train.mode == "adapter" else "fp32"
         return
@@ -101,6 +109,8 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     # auto: the trainer resolved it for its prompts (resolve_base); any other caller (a
     # rollout rank) gets what every rank of a torchrun run gets
     resolve_base(cfg, device, 0, distributed=True)
+    if not native(path):
+        return fallback_policy(cfg, path, dtype, device, reference, tokenizer)
     if cfg.train.mode == "adapter":
         model = load_base(path, BASE_FORMATS[cfg.model.base_dtype], dtype, device)
         apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
@@ -136,6 +146,63 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     moe.configure(model, cfg.moe.routing_replay, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)
     tok = tokenizer if tokenizer is not None else load_tokenizer(path, model.config.vocab_size)
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
+
+
+def native(path: Path) -> bool:
+    """Whether the model at ``path`` has native code; False for a causal LM that runs
+    through transformers (``model/hf_fallback.py``). Any other model stops here with one
+    line (not a causal LM, unknown to transformers), before weights load."""
+    try:
+        ModelConfig.from_dir(path)
+    except NotNative:
+        return False
+    return True
+
+
+# what the transformers-backed policy cannot run: (config key, its off value or check)
+FALLBACK_REFUSED = (
+    ("model.base_dtype", lambda c: c.model.base_dtype in ("fp32", "bf16")),
+    ("train.tiers", lambda c: not c.train.tiers),
+    ("train.offload_activations", lambda c: not c.train.offload_activations),
+    ("rollout.overlap", lambda c: not c.rollout.overlap),
+    ("schedule.shape", lambda c: c.schedule.shape == "colocated"),
+    ("env.name", lambda c: not c.env.name),
+    ("lora.experts", lambda c: c.lora.experts == "none"),
+    ("log.align_every", lambda c: not c.log.align_every),
+)
+
+
+def fallback_policy(cfg: Config, path: Path, dtype: str, device, reference: bool,
+                    tokenizer) -> Policy:
+    """A causal LM without native code through transformers (docs/models.md, "Fallback"):
+    LoRA on its linear layers over a base in ``model.dtype`` (the reference: adapters off),
+    or every parameter trained (the reference, when a KL term needs one: a frozen copy in
+    ``model.dtype``). Settings it cannot honour stop with one line naming the key."""
+    for key, ok in FALLBACK_REFUSED:
+        if not ok(cfg):
+            raise OrbitError(f"config key {key!r}: not available for {path / 'config.json'} "
+                             "(a model without native code runs through transformers; "
+                             "docs/models.md)")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise OrbitError(f"{path / 'config.json'}: a model without native code trains in one "
+                         "process (not under torchrun)")
+    model = load_hf_model(path, dtype, device)
+    ref = None
+    if cfg.train.mode == "adapter":
+        if not candidate_linears(model):
+            raise OrbitError(f"{path / 'config.json'}: {model.config.model_type!r} has no "
+                             "nn.Linear projections for LoRA (transformers' Conv1D is not "
+                             "adapted): use train.mode full")
+        apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                   targets=cfg.lora.targets)
+        trainable = adapter_parameters(model)
+    else:
+        if reference and reference_needed(cfg):
+            ref = copy.deepcopy(model).requires_grad_(False)
+        trainable = list(model.requires_grad_(True).parameters())
+    model.recompute = forced_recompute(cfg.train)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path, model.config.vocab_size)
+    return Policy(model, tok, path, trainable, ref)
 
 
 def place_on_tiers(model: Decoder, device, prefetch: int) -> LayerResidency:

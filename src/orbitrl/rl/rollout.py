@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
 from orbitrl.engine.governor import available_memory
+from orbitrl.engine.hf_generate import HFEngine
 from orbitrl.engine.packed import packing_units, staging_bytes, unit_bytes
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
                                     runtime_prediction)
+from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.observe.memory import tensor_bytes
+from orbitrl.rl.parallel import cores, intra_op_threads
 from orbitrl.rl.types import Rollout, Sample
 
 
@@ -70,6 +75,7 @@ class Rollouts:
         self.engine, self.governor, self.model = engine, governor, model
         self.encode, self.data, self.coll = encode, data, coll
         self._make_turns, self._turns = turns, None
+        self.threads = rollout_threads(rollout, engine, coll.enabled)
 
     def sampling(self, deterministic_greedy: bool = False) -> SamplingParams:
         r = self.r
@@ -113,7 +119,7 @@ class Rollouts:
         data_after = self.data.position()
         self.engine.memory_hook = self._hook(stop, stop_error)
         try:
-            with timer.phase("rollout"), self.weights():
+            with timer.phase("rollout"), self.weights(), intra_op_threads(self.threads):
                 if eval_mode:
                     self.model.eval()
                 gen0 = self.engine.stats["generated_tokens"]
@@ -163,7 +169,11 @@ class Rollouts:
 def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: int):
     """The engine and its KV plan: the pool from ``rollout.kv_budget_mb`` or, at 0, from the
     memory training's predicted need leaves (``ledger.runtime.kv_pool_for_run``; the plan's
-    ``cap`` bounds the governor's growth). Returns (engine, plan or None)."""
+    ``cap`` bounds the governor's growth). Returns (engine, plan or None). A model
+    without native code generates through transformers (``engine/hf_generate.py``, no
+    pool, no plan)."""
+    if isinstance(model, HFDecoder):
+        return HFEngine(model, tok, seed=cfg.train.seed), None
     r, c = cfg.rollout, model.config
     kv_dtype = engine_kv_dtype(r.kv_dtype)
     plan, budget = None, int(r.kv_budget_mb * 2**20)
@@ -179,6 +189,19 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan
+
+
+def rollout_threads(rollout, engine, distributed: bool) -> int:
+    """``rollout.threads``, or for auto (0) every core when the rollout runs alone on packed
+    weights: a colocated one-process CPU run whose engine packs (the training's side-by-side
+    workers are idle then, one core each), with ``train.threads`` 1 (the process default).
+    Else 0: the thread count stays. Packed rollouts already differ from the trainer's GEMMs
+    in the last bits (TIS weighs it); the built-in models, unpacked, keep their bit-equal
+    logprobs. The one-step overlap's rollout runs beside training: never more there."""
+    if rollout.threads:
+        return rollout.threads
+    alone = not rollout.overlap and not distributed and torch.get_num_threads() == 1
+    return cores() if alone and engine.packed.planned_bytes > 0 else 0
 
 
 def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: int) -> int:

@@ -19,6 +19,7 @@ import torch
 from orbitrl.config import AlgoSection
 from orbitrl.errors import OrbitError
 from orbitrl.model.decoder import inference_safe
+from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.rewards import RewardSource, get_reward
 from orbitrl.rl import advantages as A
 from orbitrl.rl.batch import micro_batches, pack, score
@@ -277,7 +278,8 @@ class Scorer:
     def _logprobs(self, model, part):
         """One no-grad scoring pass, under inference mode where the model allows it
         (``decoder.inference_safe``; the result copied out of it for the loss)."""
-        if not inference_safe(model):
+        # (a transformers module: dense, no layer hooks, as inference_safe asks)
+        if not isinstance(model, HFDecoder) and not inference_safe(model):
             return score(model, part, self.T)
         with torch.inference_mode():
             out = score(model, part, self.T)
