@@ -45,11 +45,12 @@ def hf_scores(model, rows, pad=PAD):
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "deepseek_v3"])
 def test_batched_scores_equal_transformers_sequence_classifier(family, tmp_path):
     ref = hf_classifier(family, tmp_path)
     rm = load_reward_model(tmp_path)
-    assert rm.pad_id == PAD and (rm.backbone.lm_head is None) == (family in ("llama", "qwen3"))
+    assert rm.pad_id == PAD and (rm.backbone.lm_head is None) == (
+        family in ("llama", "qwen3", "deepseek_v3"))
     ours = rm.scores(ROWS, batch_size=2)  # three forwards, each padded
     assert ours == pytest.approx(hf_scores(ref, ROWS), abs=1e-5)
     assert ours == pytest.approx([rm.scores([r])[0] for r in ROWS], abs=1e-5)

@@ -44,7 +44,8 @@ SEQCLS = {"llama": "LlamaForSequenceClassification",
           "olmo2": "Olmo2ForSequenceClassification", "olmo3": "Olmo3ForSequenceClassification",
           "phi3": "Phi3ForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
           "gemma3_text": "Gemma3TextForSequenceClassification",
-          "gpt_oss": "GptOssForSequenceClassification"}
+          "gpt_oss": "GptOssForSequenceClassification",
+          "deepseek_v3": "DeepseekV3ForSequenceClassification"}
 
 
 class ScalarRewardModel(nn.Module):
