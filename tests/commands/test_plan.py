@@ -180,3 +180,24 @@ def test_1e12_gathers_are_per_step_and_hidden(capsys):
     assert t["train all-gather"]["bytes"] < 5e12  # a few TB per device per step, not 100s
     b = sch["breakdown"]
     assert b["exposed_comm_s"] < 0.05 * b["step_s"]
+
+
+def test_this_machine_measures_rates_and_host_cost(capsys):
+    """--this-machine plans with this host's measured rates and per-phase host cost (the
+    calibration's toy runs), printed in the report and the JSON; the host term lengthens the
+    step beside the same plan at those rates with no host cost."""
+    flags = ["--model", "builtin:tiny-arith", "--devices", "1", "--device-memory-gb", "24",
+             "--strategy", "adapter", "--base-dtype", "fp32", "--prompt-len", "8",
+             "--completion-len", "8", "--samples-per-step", "16", "--rollout-seqs", "16",
+             "--reference", "none"]
+    d = run_json(capsys, *flags, "--this-machine")
+    m = d["machine"]
+    assert m["device_tflops"] > 0 and m["hbm_gbps"] > 0 and m["threads"] >= 1
+    assert set(m["host_us"]) == {f"{p}_{k}" for p in ("rollout", "score", "train")
+                                 for k in ("fixed", "layer")}
+    assert m["host_us"]["rollout_fixed"] > 0 and m["host_us"]["train_fixed"] > 0
+    bare = run_json(capsys, *flags, "--device-tflops", str(m["device_tflops"]),
+                    "--hbm-gbps", str(m["hbm_gbps"]))
+    assert d["schedule"]["breakdown"]["step_s"] > bare["schedule"]["breakdown"]["step_s"]
+    assert main(["plan", *flags, "--this-machine"]) == 0
+    assert "this machine (" in capsys.readouterr().out

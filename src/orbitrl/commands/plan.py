@@ -16,7 +16,7 @@ from orbitrl.errors import OrbitError
 GB = 1e9
 CHOICES = {
     "--strategy": ("adamw", "stateless", "adapter"),
-    "--base-dtype": ("bf16", "fp8", "int8", "int4", "nf4"),
+    "--base-dtype": ("bf16", "fp32", "fp8", "int8", "int4", "nf4"),
     "--weight-dtype": ("bf16", "fp16", "fp8", "fp32"),
     "--grad-dtype": ("bf16", "fp16", "fp8", "fp32"),
     "--kv-dtype": ("bf16", "fp16", "fp8", "fp32"),
@@ -31,7 +31,7 @@ CHOICES = {
     "--schedule": ("colocated", "separated", "one_step", "async", "fastest"),
 }
 # adapter bases orbitrl loads (model.base_dtype); fp8 and int4 are planned only on paper
-RUN_BASE_DTYPES = ("bf16", "int8", "nf4")
+RUN_BASE_DTYPES = ("bf16", "fp32", "int8", "nf4")
 
 
 def add_arguments(parser):
@@ -50,7 +50,7 @@ def add_arguments(parser):
     c.add_argument("--max-util", default="0.9", help="share of device memory the plan may use")
     s = parser.add_argument_group("strategy")
     s.add_argument("--strategy", default="stateless", help="adamw | stateless | adapter")
-    s.add_argument("--base-dtype", default="bf16", help="frozen base of adapter: bf16 | int8 | int4 | nf4")
+    s.add_argument("--base-dtype", default="bf16", help="frozen base of adapter: bf16 | fp32 | fp8 | int8 | int4 | nf4")
     s.add_argument("--adapter-rank", default="16")
     s.add_argument("--int4-group", default="128",
                    help="values per bf16 scale of an int4 base (128: GPTQ/AWQ/torchao layout)")
@@ -90,6 +90,13 @@ def add_arguments(parser):
     l_.add_argument("--sync-gbps", default="25")
     l_.add_argument("--device-tflops", default="400", help="sustained, not peak")
     l_.add_argument("--hbm-gbps", default="3000")
+    l_.add_argument("--op-us", default="0",
+                    help="host microseconds per dispatched op (0: hidden behind the device's "
+                         "work, as with graph-captured decode)")
+    l_.add_argument("--this-machine", action="store_true",
+                    help="measure this host's fp32 matmul rate, copy bandwidth and per-op cost "
+                         "(about 2 s) and plan with them instead of --device-tflops, "
+                         "--hbm-gbps and --op-us: a CPU run of orbitrl train")
     l_.add_argument("--long-tail-fraction", default="0.5",
                     help="share of a synchronous rollout spent waiting on the longest completions")
     l_.add_argument("--staleness", default="2", help="async: max policy versions a sample spans")
@@ -186,8 +193,20 @@ def build(args):
     roles = RoleOptions(_choice(args, "--reference"), _choice(args, "--ref-dtype"), reward,
                         _choice(args, "--reward-dtype"), _choice(args, "--reward-tier"),
                         bool(args.critic), CHOICES["--offload"].index(_choice(args, "--offload")))
-    links = Links(*(_num(args, f) for f in ("--interconnect-gbps", "--host-gbps", "--sync-gbps",
-                                             "--device-tflops", "--hbm-gbps")))
+    rates = [_num(args, f) for f in ("--device-tflops", "--hbm-gbps")]
+    rates.append(_num(args, "--op-us", positive=False))
+    host = None
+    if args.this_machine:
+        from orbitrl.observe.calibrate import host_cost  # start-up: kept off --help
+        from orbitrl.observe.flops import measure_machine  # start-up: kept off --help
+        print("measuring this machine (about a minute) ...", file=sys.stderr, flush=True)
+        args.machine = measure_machine(shape.hidden, shape.intermediate or 4 * shape.hidden)
+        rates = [args.machine[k] for k in ("device_tflops", "hbm_gbps", "op_us")]
+        host = host_cost("adapter" if strat.kind == "adapter" else "full", strat.base_dtype,
+                         roles.reference != "none")
+        args.machine["host_us"] = dict(host.__dict__)
+    links = Links(*(_num(args, f) for f in ("--interconnect-gbps", "--host-gbps", "--sync-gbps")),
+                  device_tflops=rates[0], hbm_gbps=rates[1], op_us=rates[2], host=host)
     cluster = Cluster(_num(args, "--devices", int), mem, _num(args, "--host-memory-gb", positive=False) * GB,
                       _num(args, "--devices-per-node", int), _num(args, "--max-util", lo=0.05, hi=1.0),
                       links)
@@ -232,6 +251,8 @@ def run(args) -> int:
     p = plan(*build(args))
     doc = p.to_dict()
     doc["proposal"] = proposal_doc(p.proposal)
+    if getattr(args, "machine", None):
+        doc["machine"] = args.machine
     if args.out:
         from orbitrl.ledger.plan_file import write_plan  # start-up: kept off --help
         write_plan(args.out, plan_document(args, p, doc))

@@ -24,6 +24,12 @@ class Links:
         device_tflops: sustained bf16 dense throughput per device (not peak).
         hbm_gbps: device memory bandwidth (decode is bound by it).
         bucket_mb: weight-sync bucket size; bucket_latency_s: fixed cost per bucket.
+        op_us: host microseconds per framework op the step dispatches (Python, the
+            dispatcher, a kernel launch), paid on top of the op's own compute: the floor of a
+            small model's step (ledger/dispatch.py counts the ops). 0 (default): launches
+            overlap the device's work, as in a graph-captured decode on an accelerator.
+        host: per-phase costs per op (``ledger.dispatch.HostCost``) in place of ``op_us``:
+            a CPU's, measured by ``orbitrl plan --this-machine``.
     """
 
     interconnect_gbps: float = 50.0
@@ -33,11 +39,19 @@ class Links:
     hbm_gbps: float = 3000.0
     bucket_mb: float = 512.0
     bucket_latency_s: float = 0.002
+    op_us: float = 0.0
+    host: object = None  # ledger.dispatch.HostCost
 
     def __post_init__(self):
         for k, v in self.__dict__.items():
-            if v <= 0:
+            if k != "host" and (v < 0 or (v == 0 and k != "op_us")):
                 raise ValueError(f"{k} must be positive")
+
+    def host_seconds(self, phase: str, ops: tuple[int, int]) -> float:
+        """Host seconds of ``ops`` (fixed, per-layer) dispatched in ``phase``."""
+        if self.host is not None:
+            return self.host.seconds(phase, ops)
+        return (ops[0] + ops[1]) * self.op_us * 1e-6
 
 
 @dataclass(frozen=True)

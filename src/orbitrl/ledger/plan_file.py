@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import os
 import tempfile
 from pathlib import Path
@@ -113,7 +114,8 @@ def _ratio(measured, predicted):
 
 
 def measured_step_seconds(metrics_path: str | Path) -> tuple[float | None, int]:
-    """Mean ``time_step_s`` over the rows of a run's metrics.jsonl, and how many rows."""
+    """Median ``time_step_s`` over the rows of a run's metrics.jsonl (the first step, which
+    warms caches and measures the machine, does not move it), and how many rows."""
     xs = []
     try:
         with open(metrics_path) as f:
@@ -126,7 +128,7 @@ def measured_step_seconds(metrics_path: str | Path) -> tuple[float | None, int]:
                     xs.append(float(row["time_step_s"]))
     except OSError:
         return None, 0
-    return (sum(xs) / len(xs) if xs else None), len(xs)
+    return (statistics.median(xs) if xs else None), len(xs)
 
 
 def compare(doc: dict, path: str | Path, summary: dict, step_s: float | None,

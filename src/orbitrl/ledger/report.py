@@ -93,6 +93,10 @@ def render(doc: dict) -> str:
             f"{c['min_devices'] if c['min_devices'] is not None else 'none'}"]
     if c.get("proposal"):
         head.append(f"proposal: {c['proposal']['message']}")
+    if c.get("machine"):
+        r = c["machine"]
+        head.append(f"this machine ({r['threads']} threads): {r['device_tflops'] * 1e3:.0f} GFLOP/s "
+                    f"fp32, {r['hbm_gbps']:.1f} GB/s copy, {r['op_us']:.1f} us per op")
     mb = c["micro_batch"]
     head.append(f"layout: tp {c['tp']} x dp {c['dp']}; {c['layout']['description']}; micro batch "
                 f"{mb['sequences']} seq ({mb['tokens']:,} packed tokens)"

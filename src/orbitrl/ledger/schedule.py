@@ -107,7 +107,8 @@ class StepWork:
     sequence (part of what a re-prefill recomputes). ``forward_device_s``: device-seconds of
     one policy forward over the step's tokens, compute bound (None: ``FORWARD_SHARE`` of
     training). ``scoring_recomputes``: synchronous scoring already recomputes the sampling
-    policy's logprobs, so async's proximal pass costs nothing more.
+    policy's logprobs, so async's proximal pass costs nothing more. ``prefill_device_s``:
+    the prompts' forward in the rollout pool (0: folded into the decode steps).
     """
 
     lengths: tuple[int, ...]
@@ -120,6 +121,7 @@ class StepWork:
     prompt_len: int = 0
     forward_device_s: float | None = None
     scoring_recomputes: bool = True
+    prefill_device_s: float = 0.0  # device-seconds of the prompts' prefill, per step
 
     @property
     def forward_s(self) -> float:
@@ -222,7 +224,7 @@ class _Moments:
 def _busy(work: StepWork) -> float:
     """Device-seconds of useful work per step (decode counted per full device of slots)."""
     decode = sum(work.lengths) * work.decode_step_s / work.slots_per_device
-    return decode + work.score_device_s + work.train_device_s
+    return decode + work.prefill_device_s + work.score_device_s + work.train_device_s
 
 
 def _train_s(work: StepWork, devices: int, extra: float = 0.0) -> float:
@@ -241,7 +243,7 @@ def _async_rollout(work: StepWork, m: _Moments, dr: int, step: float, staleness:
         s1, s2 = (s1 + cut * horizon) * scale, (s2 + cut * horizon ** 2) * scale
     else:
         cut, s1, s2 = 0, m.s1[-1], m.s2[-1]
-    thru = s1 * dt / (dr * work.slots_per_device)
+    thru = s1 * dt / (dr * work.slots_per_device) + work.prefill_device_s / dr
     reprefill = 0.0
     if partial == "reprefill":  # in flight: dt/step per decoded token; context P + l/2
         tokens = dt / step * (work.prompt_len * s1 + s2 / 2)
@@ -281,6 +283,7 @@ def _shape_time(shape: str, work: StepWork, devices: int, rollout_devices: int, 
     dr = devices if shape == "colocated" else rollout_devices
     dt_ = devices if shape == "colocated" else devices - rollout_devices
     roll = rollout_makespan(work.lengths, dr * work.slots_per_device, admission) * work.decode_step_s
+    roll += work.prefill_device_s / dr
     train = _train_s(work, dt_)
     sync = 0.0 if shape == "colocated" else work.sync_s
     if shape == "one_step":

@@ -20,6 +20,7 @@ import math
 
 from orbitrl.ledger.bandwidth import (Links, allreduce_bytes, hide_behind, ring_gather_bytes, summarize,
                                       sync_transfer, train_compute_seconds, transfer)
+from orbitrl.ledger.dispatch import rollout_ops, score_ops, train_ops
 from orbitrl.ledger.memory import PARAM_BYTES, Strategy, Workload, kv_cache_bytes, state_bytes
 from orbitrl.ledger.models import ModelShape
 from orbitrl.ledger.schedule import LengthDist, StepWork, balance_ratio, compare
@@ -101,9 +102,15 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
 
     train_s = train_compute_seconds(shape.active_params, tokens, work.recompute, links,
                                     strategy.kind == "adapter") * models / n
+    train_s += links.host_seconds("train", train_ops(strategy.kind, shape.num_layers, micro)) * models
     fwd = 2 * shape.active_params * tokens / (links.device_tflops * 1e12)
-    passes = 1 + (roles.reference != "none") + roles.critic  # old logprobs, reference, values
+    # old logprobs, reference, values; one epoch's old logprobs come from the update's own
+    # forward (rl/score.py old_from_update), except for PPO and a fused update over several
+    # micro-batches or ranks
+    old = roles.critic or (strategy.kind == "stateless" and (micro > 1 or n > 1))
+    passes = old + (roles.reference != "none") + roles.critic
     score_s = (fwd * passes + 2 * roles.reward_params * tokens / (links.device_tflops * 1e12)) / n
+    score_s += links.host_seconds("score", score_ops(shape.num_layers, micro, passes))
     hide_train = train_s if options.prefetch_depth >= 1 else 0.0
     hide_score = score_s if options.prefetch_depth >= 1 else 0.0
 
@@ -145,7 +152,7 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
     sync = sync_transfer(mode, st.weights, 2 * adapter, frac, links, senders=max(1, n // 2))
     return {"transfers": t, "exposed_s": sum(x.exposed for x in t), "train_s": train_s,
             "score_s": score_s, "forward_s": fwd, "micro_steps": micro, "tokens": tokens,
-            "lengths": lengths,
+            "lengths": lengths, "old_pass": bool(old),
             "sync": sync}
 
 
@@ -170,13 +177,22 @@ def step_timing(shape: ModelShape, strategy: Strategy, work: Workload, links: Li
                                               work.block_size) / n}
     slots = max(1, math.ceil(rollout["concurrent_seqs"] / n))
     read = rollout["weights_bytes"] * (shape.active_params / shape.total_params) + rollout["kv_bytes"]
-    decode_s = read / (links.hbm_gbps * 1e9)
+    # one engine step: the weights and KV read once (bandwidth) or the batch's FLOPs
+    # (compute), whichever is longer, plus the ops it dispatches
+    flops = 2 * shape.active_params * slots
+    decode_s = max(read / (links.hbm_gbps * 1e9), flops / (links.device_tflops * 1e12))
+    quantized = strategy.kind == "adapter" and strategy.base_dtype not in ("bf16", "fp32")
+    decode_s += links.host_seconds("rollout", rollout_ops(strategy.kind, quantized, shape.num_layers))
     if roles.offload >= 2:
         decode_s += st.weights / n / (links.host_gbps * 1e9)
+    # the prompts' prefill: every sequence's prompt through the layers (the head runs at its
+    # last position only), compute bound; prefix-cache hits within a group are not counted
+    body = shape.active_params - shape.vocab * shape.hidden
+    prefill = 2 * body * work.prompt_len * work.samples_per_step / (links.device_tflops * 1e12)
     # scoring's first forward recomputes the sampling policy's logprobs (async's proximal pass)
     step = StepWork(lengths, slots, decode_s, score_s * n, train_s * n, sync.seconds, exposed * n,
                     prompt_len=work.prompt_len, forward_device_s=bw["forward_s"],
-                    scoring_recomputes=True)
+                    scoring_recomputes=bw["old_pass"], prefill_device_s=prefill)
     shapes = compare(step, n, options.staleness)
     colo = shapes["colocated"]
     ratio = balance_ratio(shapes)

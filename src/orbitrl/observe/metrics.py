@@ -6,11 +6,13 @@ import json
 import math
 import os
 import resource
+import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from orbitrl.errors import OrbitError
 
@@ -36,22 +38,61 @@ def device_peak_bytes(device) -> int:
     return peak_rss_bytes()
 
 
+# ``ORBITRL_COUNT_OPS=1``: every phase also counts the framework ops it dispatches
+# (metrics.jsonl ``ops_{phase}``), for the planner's calibration of the host's cost per op
+# (observe/calibrate.py); counting slows each op down, so such a run's times are not its own
+COUNT_OPS_ENV = "ORBITRL_COUNT_OPS"
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def count_ops_here(parent):
+    """In a worker thread, count into ``parent`` (the caller's counting mode, or None: a
+    no-op); a dispatch mode is per thread."""
+    if not isinstance(parent, _OpCounter) or _get_current_dispatch_mode() is parent:
+        yield  # not counting, or on the caller's thread, where ``parent`` counts already
+        return
+    child = _OpCounter()
+    try:
+        with child:
+            yield
+    finally:
+        with parent.lock:
+            parent.n += child.n
+
+
 class PhaseTimer:
-    """Seconds and memory at the end of each named phase of one step."""
+    """Seconds and memory at the end of each named phase of one step (and, under
+    ``ORBITRL_COUNT_OPS=1``, the ops each dispatched: ``ops``)."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.seconds: dict[str, float] = {}
         self.memory: dict[str, int] = {}
+        self.ops: dict[str, int] | None = {} if os.environ.get(COUNT_OPS_ENV) == "1" else None
 
     @contextmanager
     def phase(self, name: str):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        counter = _OpCounter() if self.ops is not None else nullcontext()
         t0 = time.perf_counter()
         try:
-            yield
+            with counter:
+                yield
         finally:
+            if self.ops is not None:
+                self.ops[name] = self.ops.get(name, 0) + counter.n
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 self.memory[name] = torch.cuda.max_memory_allocated(self.device)

@@ -28,6 +28,7 @@ def phase_metrics(device, kv_blocks: int, seconds: dict, timer, probe) -> dict:
         "peak_memory_bytes": device_peak_bytes(device),
         **{f"time_{k}_s": v for k, v in seconds.items()},
         **{f"mem_{k}_bytes": v for k, v in timer.memory.items()},
+        **{f"ops_{k}": v for k, v in (getattr(timer, "ops", None) or {}).items()},
         **(probe.step_metrics(timer) if hasattr(timer, "measured") else {}),
     }
 

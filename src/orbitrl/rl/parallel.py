@@ -23,6 +23,9 @@ from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from orbitrl.observe.metrics import count_ops_here
 
 
 def resolve_workers(cfg, device: torch.device, distributed: bool, fused: bool,
@@ -85,9 +88,10 @@ class Workers:
         if self.pool is None or len(items) < 2:
             return [fn(x) for x in items]
         grad = torch.is_grad_enabled()
+        counting = _get_current_dispatch_mode()  # ORBITRL_COUNT_OPS: count every thread's ops
 
         def call(x):
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), count_ops_here(counting):
                 return fn(x)
 
         out: list = [None] * len(items)
