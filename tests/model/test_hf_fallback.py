@@ -145,6 +145,10 @@ def test_train_adapter_mode(neox, tmp_path, capsys):
     assert len(rows) == 2 and all(r["logprob_mismatch_max"] <= 1e-5 for r in rows)
     assert all("tis_weight_mean" in r for r in rows)
     final = out / "checkpoints" / "final"
+    # the run's final policy evaluated as training evaluated it, through transformers
+    assert main(["eval", "--run", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "accuracy" in said.lower()
     ours = load_hf_model(neox)
     load_adapters(ours, final)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(neox), final).eval()
@@ -152,6 +156,60 @@ def test_train_adapter_mode(neox, tmp_path, capsys):
     with torch.no_grad():
         assert torch.allclose(peft(input_ids=ids).logits, ours.hf(input_ids=ids).logits,
                               atol=1e-5)
+    # a merged export that transformers loads, with the adapted logits
+    merged = tmp_path / "merged"
+    assert main(["export", str(out), "--format", "hf", "--out", str(merged)]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, ours.hf(input_ids=ids).logits,
+                              atol=1e-5)
+
+
+def test_generate_and_eval_commands_run_through_transformers(neox, tmp_path, capsys):
+    """`orbitrl generate` and `orbitrl eval --model` on a model without native code: greedy
+    rows equal transformers' generate of each prompt alone; eval scores the built-in task."""
+    import json
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    src, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    src.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    assert main(["generate", "--model", str(neox), "--prompts", str(src), "--out", str(out),
+                 "--max-tokens", "6", "--temperature", "0", "--no-progress"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    model = load_hf_model(neox)
+    for p, row in zip(prompts, rows):
+        want = model.hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=1, pad_token_id=0)[0, len(p):].tolist()
+        got = row["completion_ids"]
+        assert got == want[:len(got)] and (len(got) == 6 or got[-1] == 1)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(neox), "--limit", "4"]) == 0
+    assert "accuracy" in capsys.readouterr().out.lower()
+    assert main(["eval", "--model", str(neox), "--task", "humaneval", "--limit", "1",
+                 "--max-tokens", "4", "--n", "2", "--k", "1"]) == 0
+    assert "pass@1 (greedy)" in capsys.readouterr().out
+    assert main(["eval", "--model", str(neox), "--base-dtype", "nf4", "--adapter",
+                 str(tmp_path), "--limit", "2"]) == 2
+    assert "no native code" in capsys.readouterr().err
+
+
+def test_sft_through_transformers(neox, tmp_path, capsys):
+    """`orbitrl sft` on a model without native code: the loss falls and the written model
+    loads in transformers with the trained weights' logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    assert main(["sft", "--model", str(neox), "--task", "arith", "--steps", "8",
+                 "--limit", "32", "--lr", "3e-3", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "final loss" in said
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    before = AutoModelForCausalLM.from_pretrained(neox).eval()
+    after = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert not torch.allclose(before(input_ids=ids).logits, after(input_ids=ids).logits)
+    # the dropout rates written back, as the checkpoint had them
+    assert after.config.to_dict().get("hidden_dropout") == before.config.to_dict().get("hidden_dropout")
 
 
 def test_train_full_mode_with_reference(tmp_path):

@@ -132,7 +132,8 @@ def _load(model_path, adapter, base_dtype: str = "auto"):
     from orbitrl.model import load_tokenizer  # start-up: kept off --help
     from orbitrl.model.adapters import trained_base  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
-    from orbitrl.rl.policy import load_base  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import load_hf_model  # start-up: kept off --help
+    from orbitrl.rl.policy import load_base, native  # start-up: kept off --help
 
     path = resolve_model_path(model_path)
     fmt = base_dtype
@@ -142,7 +143,13 @@ def _load(model_path, adapter, base_dtype: str = "auto"):
             print(f"adapters {adapter} were trained over a {fmt} base: evaluating over the "
                   f"same (--base-dtype fp32 for the full-precision weights)")
     fmt = "fp32" if fmt == "auto" else fmt
-    model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
+    if not native(path):  # a causal LM without native code: through transformers
+        if fmt != "fp32":
+            raise OrbitError(f"--base-dtype {fmt}: {path / 'config.json'} has no native code; "
+                             "it is evaluated over its fp32 weights only (docs/models.md)")
+        model = load_hf_model(path, "float32", "cpu")
+    else:
+        model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
     tok = load_tokenizer(path, model.config.vocab_size)
     if adapter:
         from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
@@ -194,12 +201,12 @@ def _evaluator(model, tok, data, max_tokens, env_cfg=None, packed_mb: int | None
     prompts encoded as ``data`` says; ``env_cfg``, a run config whose ``env`` makes each
     row a multi-turn trajectory; ``packed_mb``: ``--packed-mb`` (None: the engine's
     default)."""
-    from orbitrl.engine import Engine  # start-up: kept off --help
+    from orbitrl.engine.hf_generate import engine_for  # start-up: kept off --help
     from orbitrl.model.tokenizer import prompt_encoder  # start-up: kept off --help
     from orbitrl.rl.evaluate import Evaluator  # start-up: kept off --help
 
-    engine = Engine(model, tok, **({} if packed_mb is None else
-                                   {"packed_bytes": packed_mb << 20}))
+    engine = engine_for(model, tok, **({} if packed_mb is None else
+                                       {"packed_bytes": packed_mb << 20}))
     encode = prompt_encoder(tok, data)
     turns = None
     if env_cfg is not None:

@@ -37,7 +37,9 @@ def run(args) -> int:
         shutil.copytree(final, out, dirs_exist_ok=True)
         print(f"exported {final} -> {out}")
         return 0
-    from orbitrl.model import load_model, load_tokenizer  # start-up: kept off --help
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
+    from orbitrl.model.weights import to_dtype  # start-up: kept off --help
     from orbitrl.model.adapters import (  # start-up: kept off --help
         load_adapters, save_merged, trained_base)
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
@@ -53,9 +55,14 @@ def run(args) -> int:
                   f"{out / 'orbitrl_base.json'}); over the full-precision weights peft loads, "
                   f"its answers differ: `orbitrl eval --adapter {out}` uses the same base")
         return 0
-    model = load_model(path)  # merge over the full-precision base
+    model = load_any_model(path)  # merge over the full-precision base
     load_adapters(model, final)
-    save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
+    if isinstance(model, HFDecoder):  # no native code: transformers writes it, merged
+        if args.dtype:
+            model.hf.to(to_dtype(args.dtype))
+        model.save_pretrained(out, tokenizer=load_tokenizer(path))
+    else:
+        save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
     print(f"exported merged model -> {out}")
     return 0
 

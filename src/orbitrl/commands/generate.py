@@ -102,13 +102,15 @@ def job_kv_bytes(model, tok, reqs, kv_dtype, block_size: int = 16) -> int:
 
 def run(args) -> int:
     from orbitrl.engine import Engine, Request, SamplingParams  # start-up: kept off --help
+    from orbitrl.engine.hf_generate import engine_for  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
     from orbitrl.ledger.runtime import engine_kv_dtype  # start-up: kept off --help
     from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
 
     src = Path(args.prompts)
     if not src.is_file():
         raise OrbitError(f"{src}: no such file")
-    model = orbitrl.load_model(args.model, dtype=args.dtype)
+    model = load_any_model(args.model, args.dtype)
     tok = orbitrl.load_tokenizer(args.model, vocab_size=model.config.vocab_size)
     failed, reqs, lines = 0, [], []
     for i, (no, row, err) in enumerate(_read_rows(src)):
@@ -127,11 +129,14 @@ def run(args) -> int:
         lines.append((no, err))
     if not reqs:
         raise OrbitError(f"{src}: no prompts")
-    kv_dtype = engine_kv_dtype(args.kv_dtype)
-    budget = (job_kv_bytes(model, tok, reqs, kv_dtype) if args.kv_budget_mb is None
-              else args.kv_budget_mb << 20)
-    engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
-                    packed_bytes=packed_bytes(args))
+    if isinstance(model, HFDecoder):  # no native code: transformers' generate, no pool
+        engine = engine_for(model, tok)
+    else:
+        kv_dtype = engine_kv_dtype(args.kv_dtype)
+        budget = (job_kv_bytes(model, tok, reqs, kv_dtype) if args.kv_budget_mb is None
+                  else args.kv_budget_mb << 20)
+        engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
+                        packed_bytes=packed_bytes(args))
 
     t0 = time.perf_counter()
     outs = engine.generate(reqs, progress=not args.no_progress)

@@ -42,8 +42,8 @@ def run(args) -> int:
     from tqdm import tqdm  # start-up: kept off --help
 
     from orbitrl.data.datasets import load_rows, task_rows  # start-up: kept off --help
-    from orbitrl.model import (  # start-up: kept off --help
-        load_model, load_tokenizer, save_pretrained)
+    from orbitrl.model import load_tokenizer, save_pretrained  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
     from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: kept off --help
 
@@ -61,7 +61,7 @@ def run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    model = load_model(path)
+    model = load_any_model(path)  # native, else through transformers
     tok = load_tokenizer(path, model.config.vocab_size)
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
@@ -96,7 +96,10 @@ def run(args) -> int:
     cfg = SFTConfig(lr=args.lr, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     losses = train_sft(model, pairs, cfg, progress)
     bar.close()
-    save_pretrained(model, args.out, tokenizer=tok)
+    if isinstance(model, HFDecoder):
+        model.save_pretrained(args.out, tokenizer=tok)  # as transformers writes it
+    else:
+        save_pretrained(model, args.out, tokenizer=tok)
     stopped = (f" (stopped: held-out accuracy {reached[0]:.3f} >= --stop-at "
                f"{args.stop_at:g})" if reached else "")
     print(f"sft: {len(losses)} steps{stopped}, final loss {losses[-1]:.4f}, wrote {args.out}")

@@ -24,8 +24,10 @@ from types import SimpleNamespace
 
 import torch
 
+from orbitrl.engine.engine import Engine
 from orbitrl.engine.sequence import Completion, Request, RequestOutput, SamplingParams
 from orbitrl.errors import OrbitError
+from orbitrl.model.hf_fallback import HFDecoder
 
 STREAM_ONLY = ("begin", "begin_stream", "add_request", "step", "resume", "release",
                "swap_parked", "reset_decode", "resize_pool", "weights_changed")
@@ -235,3 +237,12 @@ class _Clock:
             e.stats["watchdog_events"] = e.stats.get("watchdog_events", 0) + 1
         return torch.full((input_ids.shape[0],), self.expired, dtype=torch.bool,
                           device=input_ids.device)
+
+
+def engine_for(model, tokenizer=None, *, seed: int = 0, **paged):
+    """The engine for ``model``: the paged :class:`orbitrl.engine.Engine` (``paged``: its
+    keyword arguments) for a native decoder, :class:`HFEngine` for a model without native
+    code (``model/hf_fallback.py``: no pool, no packed weights, so ``paged`` does not apply)."""
+    if isinstance(model, HFDecoder):
+        return HFEngine(model, tokenizer, seed=seed)
+    return Engine(model, tokenizer, seed=seed, **paged)

@@ -53,7 +53,8 @@ def run(args) -> int | None:
 
     from orbitrl.evals.run import evaluate  # start-up: kept off --help
     from orbitrl.evals.tasks import make_task  # start-up: kept off --help
-    from orbitrl.model import load_model, load_tokenizer  # start-up: kept off --help
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import load_any_model  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
 
     opts = _options(args)
@@ -62,7 +63,7 @@ def run(args) -> int | None:
     for why in task.errors.values():
         print(f"cannot judge: {why}")
     path = resolve_model_path(args.model)
-    model = load_model(path)
+    model = load_any_model(path)  # native, else through transformers
     tok = load_tokenizer(path, model.config.vocab_size)
     if args.adapter:
         from orbitrl.model.adapters import load_adapters  # start-up: kept off --help

@@ -23,8 +23,10 @@ from tqdm import tqdm
 
 from orbitrl.engine import Engine, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
+from orbitrl.engine.hf_generate import HFEngine
 from orbitrl.errors import OrbitError
 from orbitrl.evals.tasks import Task
+from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.model.tokenizer import encode_prompt, opens_thinking
 from orbitrl.observe.passk import mean_pass_at_k, pass_at_k
 from orbitrl.rewards.runner import reply_after_thinking
@@ -54,7 +56,10 @@ class EvalOptions:
 
 def sized_engine(model, tok, batch: int, packed_mb: int | None = None
                  ) -> Callable[[int], object]:
-    """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them."""
+    """(longest sequence in tokens) -> an engine whose KV pool holds ``batch`` of them (a
+    model without native code: transformers' generate, ``batch`` rows per call)."""
+    if isinstance(model, HFDecoder):
+        return lambda longest: HFEngine(model, tok, max_num_seqs=batch)
     per_token = kv_block_bytes(model, None, 1)  # the engine's own formula (MLA's latent rows)
     kw = {} if packed_mb is None else {"packed_bytes": packed_mb << 20}
     return lambda longest: Engine(model, tok, kv_budget_bytes=batch * longest * per_token,

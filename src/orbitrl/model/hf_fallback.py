@@ -27,9 +27,11 @@ import torch
 import torch.nn as nn
 
 from orbitrl.errors import OrbitError
-from orbitrl.model.config import ModelConfig
+from orbitrl.model.builtin import resolve_model_path
+from orbitrl.model.config import ModelConfig, NotNative
 from orbitrl.model.lora import LoRALinear, lora_modules
 from orbitrl.model.tokenizer import save_tokenizer
+from orbitrl.model.weights import load_model
 
 # the shape keys the ledger reads from config.json, read through transformers' attribute
 # names (GPT-2's n_embd is its hidden_size)
@@ -237,3 +239,15 @@ def _check_head(model: HFDecoder, source) -> None:
         raise OrbitError(f"{source}: {model.config.model_type!r} computes its logits other "
                          "than as the head over the final hidden states (a logit scale or "
                          "cap): the transformers fallback does not support it")
+
+
+def load_any_model(path: str | Path, dtype: str = "float32", device="cpu"):
+    """The model at ``path`` (a directory or ``builtin:NAME``): orbitrl's own decoder where
+    its family is native, else (a causal LM transformers knows) the transformers-backed
+    :class:`HFDecoder`; anything else stops with ModelConfig's one line."""
+    path = resolve_model_path(path)
+    try:
+        ModelConfig.from_dir(path)
+    except NotNative:
+        return load_hf_model(path, dtype, device)
+    return load_model(path, dtype=dtype, device=device)
