@@ -51,6 +51,10 @@ IDS = torch.randint(0, 97, (3, 10), generator=torch.Generator().manual_seed(5))
     ("phi3", ["qkv_proj", "down_proj"]),
     ("gemma2", "all-linear"),  # (1+w) sandwich norms, soft-capping, scaled embeddings
     ("gemma3_text", ["q_proj", "k_proj", "down_proj"]),  # per-head q/k norms, two rotaries
+    # mixtures whose gate/up/down names peft moves onto the routed experts: the dense and
+    # shared-expert linears go in as target_parameters (adapters.py peft_split)
+    ("deepseek_v3", "all-linear"),
+    ("qwen2_moe", "all-linear"),
 ])
 def test_peft_loads_our_adapters(hf_dirs, tmp_path, family, targets):
     path, ref = hf_dirs[family]
@@ -191,6 +195,8 @@ def test_unsupported_and_malformed(saved, tmp_path):
     path, d = saved
     _edit_config(d, use_dora=True)
     assert "use_dora" in _load_err(path, d)
+    _edit_config(d, use_dora=False, target_parameters=["model.layers.0.mlp.experts.gate_up_proj"])
+    assert "target_parameters" in _load_err(path, d)
     (d / "adapter_config.json").write_text("{not json")
     assert "adapter_config.json" in _load_err(path, d)
     shutil.rmtree(d)

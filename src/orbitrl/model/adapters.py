@@ -37,7 +37,7 @@ _KEY = re.compile(r"base_model\.model\.(?P<mod>.+)\.lora_(?P<ab>[AB])(?:\.defaul
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {},
                 "alpha_pattern": {}, "bias": "none", "lora_bias": False,
                 "modules_to_save": None, "fan_in_fan_out": False, "layers_to_transform": None,
-                "layers_pattern": None, "exclude_modules": None, "target_parameters": None,
+                "layers_pattern": None, "exclude_modules": None,
                 "layer_replication": None, "trainable_token_indices": None,
                 "use_qalora": False, "alora_invocation_tokens": None}
 
@@ -52,6 +52,32 @@ def peft_targets(model: nn.Module) -> list[str] | str:
     if {n for n in every if n.rpartition(".")[2] in leaves} == set(wrapped):
         return leaves
     return "|".join(re.escape(n) for n in wrapped)
+
+
+# model types whose feed-forward names peft (with transformers 5) maps onto the fused routed
+# experts (peft/utils/transformers_weight_conversion.py, the ``qwen2_moe`` pattern): a
+# ``gate_proj`` / ``up_proj`` / ``down_proj`` target there adapts the experts instead of the
+# dense or shared-expert linear of that name, whatever the target's form
+PEFT_REMAPPED_FFN = {"qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                     "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                     "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
+
+
+def peft_split(model: nn.Module) -> tuple[list[str] | str, list[str]]:
+    """(``target_modules``, ``target_parameters``) for adapter_config.json. Where peft would
+    move a feed-forward target onto the routed experts (:data:`PEFT_REMAPPED_FFN`), the
+    dense and shared-expert linears are named by their weights as ``target_parameters``
+    (peft adapts such a weight with the same ``B @ A``; the file's ``lora_dropout`` is then 0,
+    which peft requires there and which inference never reads), the rest as usual; when only
+    feed-forward linears are wrapped the file keeps them as modules (peft then moves them)."""
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    leaves = PEFT_REMAPPED_FFN.get(mt, ())
+    wrapped = list(lora_modules(model))
+    ffn = [n for n in wrapped if n.rpartition(".")[2] in leaves]
+    if not ffn or len(ffn) == len(wrapped):
+        return peft_targets(model), []
+    rest = [n for n in wrapped if n not in ffn]
+    return "|".join(re.escape(n) for n in rest), [f"{n}.weight" for n in ffn]
 
 
 TRAINED_BASE = "orbitrl_base.json"
@@ -83,8 +109,12 @@ def save_adapters(model: nn.Module, out_dir: str | Path,
                          "lora.experts=none, or export merged weights)")
     first = next(iter(mods.values()))
     drop = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    modules, params = peft_split(model)
+    if params:
+        drop = 0.0  # peft's parameter targets take no dropout (it refuses to load them with one)
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank,
-           "lora_alpha": first.alpha, "lora_dropout": drop, "target_modules": peft_targets(model),
+           "lora_alpha": first.alpha, "lora_dropout": drop, "target_modules": modules,
+           **({"target_parameters": params} if params else {}),
            "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
            "inference_mode": True, "modules_to_save": None, "use_rslora": False,
            "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
@@ -144,6 +174,13 @@ def read_adapter_config(path: str | Path) -> dict:
             raise OrbitError(f"{f}: key {k!r} is missing")
     if not isinstance(cfg["r"], int) or cfg["r"] <= 0:
         raise OrbitError(f"{f}: key 'r' must be a positive integer, got {cfg['r']!r}")
+    tp = cfg.get("target_parameters") or []
+    bad = [p for p in tp if not (isinstance(p, str) and p.endswith(".weight"))] \
+        if isinstance(tp, list) else [tp]
+    if bad:
+        raise OrbitError(f"{f}: key 'target_parameters' entry {bad[0]!r} is not supported (only "
+                         "a linear layer's '<module>.weight'; routed experts' fused tensors are "
+                         "not adapted here)")
     for k, off in _UNSUPPORTED.items():
         v = cfg.get(k, off)
         if v != off and not (off in ({}, None) and not v):
@@ -153,9 +190,10 @@ def read_adapter_config(path: str | Path) -> dict:
 
 def _config_targets(cfg: dict) -> list[str]:
     t = cfg["target_modules"]
-    if isinstance(t, str):
-        return [t if t == "all-linear" else "re:" + t]
-    return list(t)
+    out = [t if t == "all-linear" else "re:" + t] if isinstance(t, str) else list(t or [])
+    # a linear's weight named as a parameter target: that linear (peft_split)
+    return out + ["re:" + re.escape(p[:-len(".weight")])
+                  for p in cfg.get("target_parameters") or []]
 
 
 def load_adapters(model: nn.Module, path: str | Path, adapter_dtype="float32") -> list[str]:
