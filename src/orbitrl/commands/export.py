@@ -38,8 +38,7 @@ def run(args) -> int:
         print(f"exported {final} -> {out}")
         return 0
     from orbitrl.model import load_tokenizer  # start-up: kept off --help
-    from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
-    from orbitrl.model.weights import to_dtype  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import load_any_model  # start-up: kept off --help
     from orbitrl.model.adapters import (  # start-up: kept off --help
         load_adapters, save_merged, trained_base)
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
@@ -57,12 +56,7 @@ def run(args) -> int:
         return 0
     model = load_any_model(path)  # merge over the full-precision base
     load_adapters(model, final)
-    if isinstance(model, HFDecoder):  # no native code: transformers writes it, merged
-        if args.dtype:
-            model.hf.to(to_dtype(args.dtype))
-        model.save_pretrained(out, tokenizer=load_tokenizer(path))
-    else:
-        save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
+    save_merged(model, out, dtype=args.dtype, tokenizer=load_tokenizer(path))
     print(f"exported merged model -> {out}")
     return 0
 

@@ -95,7 +95,7 @@ def add_arguments(parser):
                          "work, as with graph-captured decode)")
     l_.add_argument("--this-machine", action="store_true",
                     help="measure this host's fp32 matmul rate, copy bandwidth and per-op cost "
-                         "(about 2 s) and plan with them instead of --device-tflops, "
+                         "(about a minute) and plan with them instead of --device-tflops, "
                          "--hbm-gbps and --op-us: a CPU run of orbitrl train")
     l_.add_argument("--long-tail-fraction", default="0.5",
                     help="share of a synchronous rollout spent waiting on the longest completions")
@@ -201,7 +201,7 @@ def build(args):
         from orbitrl.observe.flops import measure_machine  # start-up: kept off --help
         print("measuring this machine (about a minute) ...", file=sys.stderr, flush=True)
         args.machine = measure_machine(shape.hidden, shape.intermediate or 4 * shape.hidden)
-        rates = [args.machine[k] for k in ("device_tflops", "hbm_gbps", "op_us")]
+        rates = [args.machine["device_tflops"], args.machine["hbm_gbps"], 0.0]
         host = host_cost("adapter" if strat.kind == "adapter" else "full", strat.base_dtype,
                          roles.reference != "none")
         args.machine["host_us"] = dict(host.__dict__)

@@ -43,7 +43,7 @@ def run(args) -> int:
 
     from orbitrl.data.datasets import load_rows, task_rows  # start-up: kept off --help
     from orbitrl.model import load_tokenizer, save_pretrained  # start-up: kept off --help
-    from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
+    from orbitrl.model.hf_fallback import load_any_model  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
     from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: kept off --help
 
@@ -96,10 +96,7 @@ def run(args) -> int:
     cfg = SFTConfig(lr=args.lr, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     losses = train_sft(model, pairs, cfg, progress)
     bar.close()
-    if isinstance(model, HFDecoder):
-        model.save_pretrained(args.out, tokenizer=tok)  # as transformers writes it
-    else:
-        save_pretrained(model, args.out, tokenizer=tok)
+    save_pretrained(model, args.out, tokenizer=tok)
     stopped = (f" (stopped: held-out accuracy {reached[0]:.3f} >= --stop-at "
                f"{args.stop_at:g})" if reached else "")
     print(f"sft: {len(losses)} steps{stopped}, final loss {losses[-1]:.4f}, wrote {args.out}")

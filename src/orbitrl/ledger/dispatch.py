@@ -45,10 +45,6 @@ class HostCost:
     train_fixed: float
     train_layer: float
 
-    @classmethod
-    def uniform(cls, us: float) -> "HostCost":
-        return cls(us, us, us, us, us, us)
-
     def seconds(self, phase: str, ops: tuple[int, int]) -> float:
         """``ops``: (fixed, per-layer) ops of ``phase``."""
         return (ops[0] * getattr(self, f"{phase}_fixed")

@@ -95,8 +95,11 @@ def render(doc: dict) -> str:
         head.append(f"proposal: {c['proposal']['message']}")
     if c.get("machine"):
         r = c["machine"]
+        us = r.get("host_us", {})
         head.append(f"this machine ({r['threads']} threads): {r['device_tflops'] * 1e3:.0f} GFLOP/s "
-                    f"fp32, {r['hbm_gbps']:.1f} GB/s copy, {r['op_us']:.1f} us per op")
+                    f"fp32, {r['hbm_gbps']:.1f} GB/s copy; us per op (fixed / per layer): "
+                    + ", ".join(f"{ph} {us[ph + '_fixed']:.1f} / {us[ph + '_layer']:.1f}"
+                                for ph in ("rollout", "score", "train") if ph + "_fixed" in us))
     mb = c["micro_batch"]
     head.append(f"layout: tp {c['tp']} x dp {c['dp']}; {c['layout']['description']}; micro batch "
                 f"{mb['sequences']} seq ({mb['tokens']:,} packed tokens)"

@@ -31,7 +31,7 @@ from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig, NotNative
 from orbitrl.model.lora import LoRALinear, lora_modules
 from orbitrl.model.tokenizer import save_tokenizer
-from orbitrl.model.weights import load_model
+from orbitrl.model.weights import load_model, to_dtype
 
 # the shape keys the ledger reads from config.json, read through transformers' attribute
 # names (GPT-2's n_embd is its hidden_size)
@@ -137,8 +137,11 @@ class HFDecoder(nn.Module):
         out = out.view(R, L, -1)
         return out if return_hidden else self.lm_head(out)
 
-    def save_pretrained(self, out_dir, tokenizer=None) -> Path:
-        """The whole model as transformers writes it (adapters merged in)."""
+    def save_pretrained(self, out_dir, tokenizer=None, dtype=None) -> Path:
+        """The whole model as transformers writes it (adapters merged in), its weights in
+        ``dtype`` (None: as loaded)."""
+        if dtype is not None:
+            self.hf.to(to_dtype(dtype))
         mods = lora_modules(self)
         for name, m in mods.items():  # merged copies, the live modules left as they are
             parent, _, child = name.rpartition(".")

@@ -325,7 +325,10 @@ def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=N
                     max_shard_bytes: int = 2 << 30) -> Path:
     """Write an HF directory (config.json + safetensors, sharded with an index past
     ``max_shard_bytes``) that transformers loads. Files are written under temporary
-    names and renamed, so an interrupted export leaves no half-written file."""
+    names and renamed, so an interrupted export leaves no half-written file. A model without
+    native code (``model/hf_fallback.py``) is written by transformers, adapters merged."""
+    if not isinstance(model, Decoder):
+        return model.save_pretrained(out_dir, tokenizer=tokenizer, dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = export_state_dict(model)

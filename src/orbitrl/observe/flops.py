@@ -65,25 +65,6 @@ def waterfall(params: int, peak: float, rollout_tokens: int, timeline, score_tok
     return out
 
 
-def _op_mix_us(repeat: int = 2000) -> float:
-    """Host microseconds per op of the mix a decoder's step dispatches most (ledger/dispatch.py:
-    reshapes and views, small linears, elementwise products and sums, casts, transposes)."""
-    x, w, y = torch.randn(8, 64), torch.randn(64, 64), torch.randn(8, 64)
-    ops = 8
-
-    def once(x):
-        h = torch.nn.functional.linear(x, w).reshape(8, 4, 16)
-        h = h.transpose(0, 1).unsqueeze(0).view(4, 8, 16).transpose(0, 1).reshape(8, 64)
-        return (h * 0.5 + y).to(torch.float32)
-
-    for _ in range(100):
-        once(x)
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        once(x)
-    return (time.perf_counter() - t0) / (repeat * ops) * 1e6
-
-
 def _layer_rate(hidden: int, intermediate: int, tokens: int = 1024, seconds: float = 0.5) -> float:
     """FLOP/s of a feed-forward's two products, forward and input gradient (what training an
     adapter over a frozen base runs), at this model's widths over ``tokens`` rows."""
@@ -106,8 +87,8 @@ def measure_machine(hidden: int = 512, intermediate: int = 2048, seconds: float 
     """This host's rates for the planner (``orbitrl plan --this-machine``): sustained fp32
     matmul TFLOP/s at the model's widths (a feed-forward's forward and input gradient over
     1024 rows), copy bandwidth in GB/s (a 256 MiB copy into a buffer already touched: read +
-    write), and host microseconds per op of a plain mix of small ops, at torch's current
-    thread count."""
+    write), at torch's current thread count (the host's cost per op is orbitrl's own:
+    observe/calibrate.py)."""
     # the best of three: a shared host's rate wanders between timings (90-165 GFLOP/s seen
     # on one 2-core machine within minutes)
     flops = max(_layer_rate(hidden, intermediate, seconds=seconds / 4) for _ in range(3))
@@ -118,5 +99,4 @@ def measure_machine(hidden: int = 512, intermediate: int = 2048, seconds: float 
         b.copy_(a)
         n += 1
     gbps = 2 * a.numel() * 4 * n / (time.perf_counter() - t0) / 1e9
-    return {"device_tflops": flops / 1e12, "hbm_gbps": gbps, "op_us": _op_mix_us(),
-            "threads": torch.get_num_threads()}
+    return {"device_tflops": flops / 1e12, "hbm_gbps": gbps, "threads": torch.get_num_threads()}

@@ -20,7 +20,6 @@ from orbitrl.distributed.roles import assign_roles
 from orbitrl.errors import OrbitError
 from orbitrl.model.adapters import save_adapters
 from orbitrl.model.builtin import pinned_revision, resolve_model_path
-from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.model.lora import routed_adapters
 from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import save_pretrained
@@ -432,9 +431,7 @@ def _save_policy(trainer, out: Path):
         save_adapters(trainer.model, out, base_model_name_or_path=base,
                       trained_base=trainer.cfg.model.base_dtype)
         save_tokenizer(trainer.tok, out)
-    elif isinstance(trainer.model, HFDecoder):  # transformers writes its own model
-        trainer.model.save_pretrained(out, tokenizer=trainer.tok)
-    else:
+    else:  # (a model without native code: transformers writes it)
         save_pretrained(trainer.model, out, tokenizer=trainer.tok)
 
 
