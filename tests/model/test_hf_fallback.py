@@ -4,6 +4,7 @@ forward, generation against its generate, the trainer's recomputed logprobs agai
 rollout's, GRPO runs in adapter and full mode that learn; a model that is not a causal LM
 stops with one line before any weights load."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -138,13 +139,26 @@ def test_train_adapter_mode(neox, tmp_path, capsys):
 
     out = tmp_path / "run"
     assert main(["train", "--set", f"model.path={neox}", "--set", "train.max_steps=2",
-                 "--out", str(out)] + [a for kv in SMALL for a in ("--set", kv)]) == 0
+                 "--set", "log.align_every=1", "--out", str(out)]
+                + [a for kv in SMALL for a in ("--set", kv)]) == 0
     err = capsys.readouterr().err
     assert err.count("runs through transformers") == 1 and "faster" in err
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 2 and all(r["logprob_mismatch_max"] <= 1e-5 for r in rows)
     assert all("tis_weight_mean" in r for r in rows)
+    # the periodic engine-vs-trainer check: generate's KV-cached logits against the
+    # trainer's padded forward
+    assert all(r["align_ok"] == 1.0 and r["align_logprob_gap_max"] <= 1e-5 for r in rows)
     final = out / "checkpoints" / "final"
+    # check-alignment on the trained adapters, through transformers on both paths
+    report = tmp_path / "align.json"
+    assert main(["check-alignment", "--model", str(neox), "--adapter", str(final),
+                 "--max-tokens", "6", "--json", str(report)]) == 0
+    assert "aligned" in capsys.readouterr().out
+    figures = json.loads(report.read_text())
+    assert figures["aligned"] and figures["positions"] > 0 and figures["l1_max"] < 1e-4
+    assert main(["check-alignment", "--model", str(neox), "--base-dtype", "nf4"]) == 2
+    assert "no native code" in capsys.readouterr().err
     # the run's final policy evaluated as training evaluated it, through transformers
     assert main(["eval", "--run", str(out)]) == 0
     said = capsys.readouterr().out

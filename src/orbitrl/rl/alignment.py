@@ -11,7 +11,9 @@ chunked ``token_logprobs``.
 
 ``engine_model`` and ``trainer_model`` are one object when rollout and training share the
 modules (the colocated default); two when the engine serves another copy (a merged export,
-a separate rollout pool), which is what a weight mismatch looks like.
+a separate rollout pool), which is what a weight mismatch looks like. A model without
+native code (``model/hf_fallback.py``) samples through transformers' generate (HFEngine)
+and recomputes through its padded forward: the figures are that fallback's own mismatch.
 
 Two callers: training's periodic check (``log.align_every``, :func:`training_row`, from
 ``rl/trainer.py``) and ``orbitrl check-alignment`` (:func:`measure`, through
@@ -27,8 +29,11 @@ import torch
 
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
+from orbitrl.engine.hf_generate import HFEngine
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import soft_cap
+from orbitrl.model.decoder import Decoder
+from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.observe.alignment import AlignmentBounds, compare, violations
 from orbitrl.train.logprobs import token_logprobs
 
@@ -38,12 +43,17 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
                                                                 torch.Tensor]]:
     """(completion ids, engine logits [T, V], engine raw logprobs [T]) per prompt."""
     cfg = model.config
-    longest = max(len(p) for p in prompts) + max_tokens + 16
-    # packed_bytes=0: the trainer's GEMMs (a run's rollout engine packs its weights only
-    # with rollout.packed_weights on, or auto on a large enough model: rl/rollout.py); the
-    # pool as the engine lays it out (a latent-attention model's one row per token)
-    engine = Engine(model, tok, max_num_seqs=1, packed_bytes=0,
-                    kv_budget_bytes=-(-longest // 16) * kv_block_bytes(model, None, 16))
+    fallback = isinstance(model, HFDecoder)
+    if fallback:  # no native code: transformers' generate with its KV cache, as the rollout
+        engine = HFEngine(model, tok, max_num_seqs=1)
+    else:
+        longest = max(len(p) for p in prompts) + max_tokens + 16
+        # packed_bytes=0: the trainer's GEMMs (a run's rollout engine packs its weights
+        # only with rollout.packed_weights on, or auto on a large enough model:
+        # rl/rollout.py); the pool as the engine lays it out (a latent-attention model's
+        # one row per token)
+        engine = Engine(model, tok, max_num_seqs=1, packed_bytes=0,
+                        kv_budget_bytes=-(-longest // 16) * kv_block_bytes(model, None, 16))
     rows: list[torch.Tensor] = []
     me = threading.get_ident()  # (a rollout thread may share the model: overlapped mode)
 
@@ -51,7 +61,9 @@ def engine_samples(model, tok, prompts: list[list[int]], max_tokens: int,
 
     def keep(module, inputs, output):
         if threading.get_ident() == me:
-            rows.append(soft_cap(output.detach(), cap).float())
+            # transformers' forward: [1, positions, V], the last position sampled from
+            out = output.detach()[:, -1] if fallback else output.detach()
+            rows.append(soft_cap(out, cap).float())
 
     hook = model.lm_head.register_forward_hook(keep)
     out = []
@@ -78,7 +90,7 @@ def trainer_logits(model, prompts: list[list[int]], completions: list[list[int]]
     """(logits [N, V], logprobs of the completion tokens [N]) from the trainer's packed
     forward, N = all completion tokens in prompt order."""
     seqs = [p + c for p, c in zip(prompts, completions)]
-    ids, pos, sid = model.packed_inputs(seqs, device=model.device)
+    ids, pos, sid = Decoder.packed_inputs(seqs, device=model.device)
     hidden = model(ids, positions=pos, seq_ids=sid, return_hidden=True)[0]  # [L, H]
     picks, targets, at = [], [], 0
     for p, c in zip(prompts, completions):

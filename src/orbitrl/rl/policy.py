@@ -168,7 +168,6 @@ FALLBACK_REFUSED = (
     ("schedule.shape", lambda c: c.schedule.shape == "colocated"),
     ("env.name", lambda c: not c.env.name),
     ("lora.experts", lambda c: c.lora.experts == "none"),
-    ("log.align_every", lambda c: not c.log.align_every),
 )
 
 
