@@ -1,11 +1,12 @@
 """`orbitrl plan`'s a-priori step time against measured runs of `orbitrl train`, on this CPU.
 
 For each case the plan is written first, from what is known before a run: the model's
-config.json, the run's settings (mode, base format, LoRA rank, samples per step, the
-completion cap, the micro-batch), the prompts' length after the chat template (the task's
-rows through the tokenizer) and this machine's rates measured by ``--this-machine`` (fp32
-matmul rate, copy bandwidth, the host's cost per dispatched op calibrated on a toy decoder of
-one and of three narrow layers). Then ``orbitrl train --plan`` runs it; the run's summary
+config.json, the run's settings (mode, base format, LoRA rank, samples per step and per
+prompt, the completion cap, the micro-batch), the prompts' length after the chat template
+(the task's rows through the tokenizer; completions spread over half the cap to the cap, the
+plan's default) and this machine's rates measured by ``--this-machine`` (fp32 matmul rate,
+copy bandwidth, the host's cost per dispatched op calibrated on a toy decoder of one and of
+three narrow layers, a decoder layer of the model's own widths timed in training). Then ``orbitrl train --plan`` runs it; the run's summary
 holds the plan's step time beside the measured median ``time_step_s``. Cases: the built-in
 task at its defaults (LoRA over an NF4 base, KL to the base), and SmolLM2-135M-Instruct with
 the settings of ``bench_real_grpo.py`` (LoRA r 16 on all linear layers over an fp32 base, 4
@@ -67,6 +68,7 @@ def case(name: str, model: str, config: Path | None, overrides: list[str], s: di
              "--strategy", "adapter", "--base-dtype", base, "--adapter-rank", str(s["rank"]),
              "--prompt-len", str(plen), "--completion-len", str(s["max_tokens"]),
              "--samples-per-step", str(samples), "--rollout-seqs", str(samples),
+             "--group-size", str(s["n"]),
              "--micro-batch", str(micro), "--reference", reference, "--recompute", "off",
              "--long-tail-fraction", "0"]
     doc = json.loads(orbitrl("plan", *flags, "--json", "--out", str(plan_file)).stdout)
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"),
                     help="SmolLM2-135M-Instruct directory (scripts/fetch_real_model.py)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6,
+                    help="SmolLM2's steps; the built-in model's run takes five times as many")
     ap.add_argument("--out", help="keep the plans and runs here")
     args = ap.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-plan-"))
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     results = [case("builtin", "builtin:tiny-arith", None,
                     [f"rollout.n={BUILTIN['n']}", f"rollout.prompts_per_step={BUILTIN['prompts']}",
                      f"rollout.max_tokens={BUILTIN['max_tokens']}"],
-                    BUILTIN, "nf4", "device", out, args.steps)]
+                    BUILTIN, "nf4", "device", out, 5 * args.steps)]
     if os.path.isdir(args.model):
         from bench_real_grpo import make_data
         train, _ = make_data(out, 40)
@@ -125,6 +128,10 @@ def main(argv=None) -> int:
     print(f"machine: {m['threads']} threads, {m['device_tflops'] * 1e3:.0f} GFLOP/s fp32, "
           f"{m['hbm_gbps']:.1f} GB/s copy; host us per op "
           + ", ".join(f"{k} {v:.1f}" for k, v in m["host_us"].items()))
+    for r in results:
+        print(f"  {r['case']}: a trained token costs {r['machine']['train_layer_token_s'] * 1e6:.1f} "
+              f"us per layer ({r['machine']['train_workers']} workers); prompt "
+              f"{r['prompt_len']} tokens")
     print(f"{'case':<10}{'phase':<9}{'predicted s':>13}{'measured s':>12}{'ratio':>8}")
     for r in results:
         for ph in ("rollout", "score", "train", "step"):

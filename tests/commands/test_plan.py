@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -195,7 +196,9 @@ def test_this_machine_measures_rates_and_host_cost(capsys):
     assert m["device_tflops"] > 0 and m["hbm_gbps"] > 0 and m["threads"] >= 1
     assert set(m["host_us"]) == {f"{p}_{k}" for p in ("rollout", "score", "train")
                                  for k in ("fixed", "layer")}
-    assert m["host_us"]["rollout_fixed"] > 0 and m["host_us"]["train_fixed"] > 0
+    assert m["host_us"]["rollout_fixed"] > 0 and m["host_us"]["train_layer"] > 0
+    # a decoder layer of the model's widths timed in training, two workers side by side
+    assert m["train_layer_token_s"] > 0 and m["train_workers"] == min(2, os.cpu_count())
     bare = run_json(capsys, *flags, "--device-tflops", str(m["device_tflops"]),
                     "--hbm-gbps", str(m["hbm_gbps"]))
     assert d["schedule"]["breakdown"]["step_s"] > bare["schedule"]["breakdown"]["step_s"]

@@ -16,7 +16,7 @@ from orbitrl.ledger.bandwidth import Links
 from orbitrl.ledger.memory import Strategy, Workload
 from orbitrl.ledger.models import known
 from orbitrl.ledger.plan import Options
-from orbitrl.ledger.timing import step_timing
+from orbitrl.ledger.timing import _lengths, step_timing
 from orbitrl.observe.calibrate import _toy
 from orbitrl.observe.metrics import PhaseTimer
 
@@ -86,3 +86,59 @@ def test_host_cost_lengthens_each_phase_by_its_ops():
     assert uniform["train_s"] - base["train_s"] == pytest.approx(sum(train) * 3e-6)
     with pytest.raises(ValueError, match="op_us"):
         Links(op_us=-1)
+
+
+def test_timed_layers_price_training_per_token():
+    """With a layer timed at the model's widths (``Links.train_layer_token_s``) the training
+    phase is tokens x layers x that cost, the head over the completions at the matmul rate
+    and copy bandwidth, and the host cost of the ops outside the layers only."""
+    shape = known("llama3-8b")
+    work = Workload(prompt_len=64, completion_len=32, samples_per_step=16, rollout_seqs=16,
+                    micro_batch=4, recompute=False)
+    strat, opts = Strategy("adapter", "nf4"), Options(tail_fraction=0.0)
+    cost = dispatch.HostCost(10.0, 2.0, 0.0, 0.0, 5.0, 1.0)
+    links = Links(device_tflops=0.1, hbm_gbps=20.0, host=cost, train_layer_token_s=2e-5,
+                  train_workers=2)
+    t = step_timing(shape, strat, work, links, opts, 1, 1)
+    lengths = _lengths(work, opts)  # no tail: spread over [16, 32]
+    tokens = sum(64 + x for x in lengths)
+    assert t["tokens_per_step"] == tokens
+    micro = t["micro_steps_per_rank"]
+    head = (6 * shape.vocab * shape.hidden * sum(lengths) / 0.1e12
+            + 6 * 4 * sum(lengths) * shape.vocab / 20e9)
+    fixed, layer = dispatch.train_ops_outside_layers("adapter", shape.num_layers, micro)
+    want = tokens * shape.num_layers * 2e-5 + head + (fixed * 5 + layer * 1) * 1e-6
+    assert t["breakdown"]["train_s"] == pytest.approx(want)
+    # the layers' own ops are in the timed layer, not priced again
+    assert layer == dispatch.OPTIMIZER_LAYER["adapter"] * shape.num_layers
+
+
+def test_plan_tokens_follow_the_trainers_packing():
+    """A GRPO group whose prompt and completions fit one row trains on one copy of its
+    prompt (rl/batch.py); the plan counts the positions so, within the trainer's padding."""
+    from orbitrl.ledger.timing import packed_tokens
+    from orbitrl.rl.batch import positions
+    from orbitrl.rl.types import Sample
+
+    for prompt, reply in ((6, 3), (47, 16)):
+        work = Workload(prompt_len=prompt, completion_len=reply, samples_per_step=16,
+                        group_size=8)
+        lengths = (reply,) * 16
+        samples = [Sample(group=i // 8, prompt_ids=list(range(prompt)),
+                          completion_ids=[1] * reply, rollout_logprobs=[0.0] * reply,
+                          finish_reason="length", text="") for i in range(16)]
+        planned, packed = packed_tokens(work, lengths), positions(samples)
+        assert planned <= packed <= 1.15 * planned
+    assert packed_tokens(Workload(prompt_len=6, group_size=8), (3,) * 16) == 2 * (6 + 24)
+    assert packed_tokens(Workload(prompt_len=47, group_size=8), (16,) * 16) == 16 * 63
+    assert packed_tokens(Workload(prompt_len=6, group_size=1), (3,) * 16) == 16 * 9
+
+
+def test_reply_len_sets_the_step_tokens_not_the_memory():
+    shape = known("llama3-8b")
+    opts = Options(tail_fraction=0.0)
+    kw = dict(prompt_len=64, completion_len=32, samples_per_step=16, rollout_seqs=16,
+              micro_batch=4)
+    short = step_timing(shape, Strategy("adapter", "nf4"), Workload(reply_len=5, **kw),
+                        Links(), opts, 1, 1)
+    assert short["max_completion"] == 5 and short["tokens_per_step"] == 16 * (64 + 5)

@@ -8,8 +8,10 @@ All arithmetic lives in :mod:`orbitrl.ledger`; this module parses, validates and
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+from pathlib import Path
 
 from orbitrl.errors import OrbitError
 
@@ -69,6 +71,12 @@ def add_arguments(parser):
                    help="sequences per tp group per micro step (packed); auto: fewest whose "
                         "compute hides the layer gathers, lowered to fit memory")
     w.add_argument("--samples-per-step", default="512")
+    w.add_argument("--reply-len", default="0",
+                   help="the typical completion, tokens, for the step time (memory stays "
+                        "priced at the cap); 0: spread below the cap by --long-tail-fraction")
+    w.add_argument("--group-size", default="1",
+                   help="samples per prompt (rollout.n): a group that fits one packed row "
+                        "trains on one copy of its prompt")
     w.add_argument("--kv-dtype", default="bf16")
     w.add_argument("--recompute", default="on", help="on | off")
     w.add_argument("--logit-chunk", default="1024", help="tokens per chunked-logprob slice")
@@ -163,6 +171,38 @@ def _shape(args):
         raise OrbitError(f"--model: not a directory, and {e}") from None
 
 
+def _layer_probe(args, kind: str, strat, work) -> tuple[float, int]:
+    """(seconds per decoder layer per trained token, workers) timed on this host at the
+    model's widths (``observe/calibrate.py`` layer_token_seconds), as ``orbitrl train`` on
+    this CPU cuts and runs the batch: adapters on ``min(2, cores)`` workers (its
+    ``train.workers`` auto), full mode on one; (0, 1) without a config.json to build the
+    layers from (``--params``, a named shape)."""
+    from orbitrl.observe.calibrate import layer_token_seconds  # start-up: kept off --help
+    hf = _hf_config(args)
+    if hf is None:
+        return 0.0, 1
+    workers = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else (os.cpu_count() or 1))) if kind == "adapter" else 1
+    seq = work.prompt_len + (work.reply_len or work.completion_len)
+    rows = work.micro or max(1, min(math.ceil(work.samples_per_step / workers), 4096 // seq))
+    try:
+        return layer_token_seconds(hf, kind, strat.base_dtype, strat.adapter_rank, rows, seq,
+                                   workers), workers
+    except (ValueError, KeyError, OSError) as e:
+        raise OrbitError(f"--this-machine: cannot build {args.model}'s layers to time them: "
+                         f"{e}") from None
+
+
+def _hf_config(args) -> dict | None:
+    """The model's config.json as a dict (a directory or ``builtin:``), else None."""
+    if not args.model or not (args.model.startswith("builtin:") or os.path.isdir(args.model)):
+        return None
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
+    path = resolve_model_path(args.model) if args.model.startswith("builtin:") \
+        else Path(args.model)
+    return json.loads((Path(path) / "config.json").read_text())
+
+
 def build(args):
     """Parse and validate the flags into ledger objects; OrbitError names the bad flag."""
     from orbitrl.ledger.bandwidth import Links  # start-up: kept off --help
@@ -188,7 +228,9 @@ def build(args):
                     kv_dtype=_choice(args, "--kv-dtype"),
                     recompute=_choice(args, "--recompute") == "on",
                     logit_chunk=_num(args, "--logit-chunk", int),
-                    min_rollout_seqs=_num(args, "--min-rollout-seqs", int))
+                    min_rollout_seqs=_num(args, "--min-rollout-seqs", int),
+                    reply_len=_num(args, "--reply-len", int, positive=False),
+                    group_size=_num(args, "--group-size", int))
     reward = 0 if args.reward_params in ("0", "") else _num(args, "--reward-params", int)
     roles = RoleOptions(_choice(args, "--reference"), _choice(args, "--ref-dtype"), reward,
                         _choice(args, "--reward-dtype"), _choice(args, "--reward-tier"),
@@ -202,11 +244,16 @@ def build(args):
         print("measuring this machine (about a minute) ...", file=sys.stderr, flush=True)
         args.machine = measure_machine(shape.hidden, shape.intermediate or 4 * shape.hidden)
         rates = [args.machine["device_tflops"], args.machine["hbm_gbps"], 0.0]
-        host = host_cost("adapter" if strat.kind == "adapter" else "full", strat.base_dtype,
-                         roles.reference != "none")
+        kind = "adapter" if strat.kind == "adapter" else "full"
+        host = host_cost(kind, strat.base_dtype, roles.reference != "none")
         args.machine["host_us"] = dict(host.__dict__)
+        layer_s, workers = _layer_probe(args, kind, strat, work)
+        args.machine.update(train_layer_token_s=layer_s, train_workers=workers)
+    machine = getattr(args, "machine", None) or {}
     links = Links(*(_num(args, f) for f in ("--interconnect-gbps", "--host-gbps", "--sync-gbps")),
-                  device_tflops=rates[0], hbm_gbps=rates[1], op_us=rates[2], host=host)
+                  device_tflops=rates[0], hbm_gbps=rates[1], op_us=rates[2], host=host,
+                  train_layer_token_s=machine.get("train_layer_token_s", 0.0),
+                  train_workers=machine.get("train_workers", 1))
     cluster = Cluster(_num(args, "--devices", int), mem, _num(args, "--host-memory-gb", positive=False) * GB,
                       _num(args, "--devices-per-node", int), _num(args, "--max-util", lo=0.05, hi=1.0),
                       links)

@@ -30,6 +30,14 @@ class Links:
             overlap the device's work, as in a graph-captured decode on an accelerator.
         host: per-phase costs per op (``ledger.dispatch.HostCost``) in place of ``op_us``:
             a CPU's, measured by ``orbitrl plan --this-machine``.
+        train_layer_token_s: seconds one decoder layer's forward + backward adds per trained
+            token (amortised over the micro-batches trained side by side), timed at the
+            model's widths (``observe/calibrate.py`` ``layer_token_seconds``); the training
+            phase then prices its layers by it instead of by FLOPs and per-layer op costs.
+            0 (default): FLOPs at ``device_tflops`` plus the host's op costs.
+        train_workers: micro-batches trained side by side on one device (a CPU's
+            ``train.workers``): with ``train_layer_token_s`` the batch is cut into at least
+            that many.
     """
 
     interconnect_gbps: float = 50.0
@@ -41,10 +49,12 @@ class Links:
     bucket_latency_s: float = 0.002
     op_us: float = 0.0
     host: object = None  # ledger.dispatch.HostCost
+    train_layer_token_s: float = 0.0
+    train_workers: int = 1
 
     def __post_init__(self):
         for k, v in self.__dict__.items():
-            if k != "host" and (v < 0 or (v == 0 and k != "op_us")):
+            if k != "host" and (v < 0 or (v == 0 and k not in ("op_us", "train_layer_token_s"))):
                 raise ValueError(f"{k} must be positive")
 
     def host_seconds(self, phase: str, ops: tuple[int, int]) -> float:

@@ -74,3 +74,11 @@ def train_ops(kind: str, layers: int, micro_steps: int) -> tuple[int, int]:
     k = _kind(kind)
     return (micro_steps * TRAIN_FIXED[k] + OPTIMIZER_FIXED[k],
             (micro_steps * TRAIN_LAYER[k] + OPTIMIZER_LAYER[k]) * layers)
+
+
+def train_ops_outside_layers(kind: str, layers: int, micro_steps: int) -> tuple[int, int]:
+    """(fixed, layer) ops of one update less its decoder layers' forward and backward (what
+    a timed layer, ``Links.train_layer_token_s``, already holds): the loss, logprobs and head per
+    micro-batch, and the optimizer."""
+    k = _kind(kind)
+    return micro_steps * TRAIN_FIXED[k] + OPTIMIZER_FIXED[k], OPTIMIZER_LAYER[k] * layers

@@ -131,6 +131,9 @@ def projection_params(shape: ModelShape) -> int:
     return shape.num_layers * (shape.layer_params - 2 * shape.hidden)
 
 
+ROW_TOKENS = 64  # the trainer's shortest packed row (rl/batch.py): short samples share rows
+
+
 @dataclass(frozen=True)
 class Workload:
     """The batch shape of one RL step.
@@ -152,6 +155,12 @@ class Workload:
             the layer in backward: about 4/3 the compute).
         logit_chunk: tokens per chunk of the chunked logprob (bounds the fp32 logits).
         fp64_attention: fp32 attention computed in fp64 (CPUs): q, k, v saved in fp64 too.
+        reply_len: the typical completion, tokens, for the step time (the trainer's and
+            scorer's tokens, the rollout's decode steps); 0 (default): spread below the cap
+            by the long-tail model (``ledger/timing.py``). Memory is priced at the cap.
+        group_size: samples per prompt (``rollout.n``): a group whose prompt and
+            completions fit one packed row is trained with one copy of its prompt
+            (``rl/batch.py``), which the step time counts so.
     """
 
     prompt_len: int = 512
@@ -166,6 +175,8 @@ class Workload:
     min_rollout_seqs: int = DEFAULT_MIN_ROLLOUT_SEQS
     act_bytes: int = 2
     fp64_attention: bool = False
+    reply_len: int = 0
+    group_size: int = 1
 
     @property
     def seq_len(self) -> int:

@@ -20,8 +20,9 @@ import math
 
 from orbitrl.ledger.bandwidth import (Links, allreduce_bytes, hide_behind, ring_gather_bytes, summarize,
                                       sync_transfer, train_compute_seconds, transfer)
-from orbitrl.ledger.dispatch import rollout_ops, score_ops, train_ops
-from orbitrl.ledger.memory import PARAM_BYTES, Strategy, Workload, kv_cache_bytes, state_bytes
+from orbitrl.ledger.dispatch import rollout_ops, score_ops, train_ops, train_ops_outside_layers
+from orbitrl.ledger.memory import (PARAM_BYTES, ROW_TOKENS, Strategy, Workload, kv_cache_bytes,
+                                   state_bytes)
 from orbitrl.ledger.models import ModelShape
 from orbitrl.ledger.schedule import LengthDist, StepWork, balance_ratio, compare
 
@@ -29,9 +30,28 @@ MAX_AUTO_MICRO_BATCH = 64  # sequences; the auto micro batch never asks for more
 
 
 def _lengths(work: Workload, options) -> tuple[int, ...]:
+    if work.reply_len:  # the typical reply, and the long tail beyond it
+        reply = min(work.reply_len, work.completion_len)
+        dist = LengthDist(work.samples_per_step, reply, options.tail_fraction,
+                          cap=work.completion_len)
+        return tuple([reply] * (dist.num_seqs - dist.num_tail) + [dist.tail_len] * dist.num_tail)
     body = max(1, round(work.completion_len * (1 - options.tail_fraction)))
     dist = LengthDist(work.samples_per_step, body, options.tail_fraction, cap=work.completion_len)
     return tuple(dist.lengths())
+
+
+def packed_tokens(work: Workload, lengths: tuple[int, ...]) -> int:
+    """Positions the trainer computes for these completions: a group of ``group_size``
+    samples whose prompt and completions fit one row (``max(longest sample, ROW_TOKENS)``)
+    holds one copy of its prompt, as rl/batch.py packs it; other samples their own."""
+    P, g = work.prompt_len, max(1, work.group_size)
+    width = max(P + max(lengths), ROW_TOKENS)
+    total = 0
+    for i in range(0, len(lengths), g):
+        grp = lengths[i:i + g]
+        shared = P + sum(grp)
+        total += shared if len(grp) > 1 and shared <= width else sum(P + x for x in grp)
+    return total
 
 
 def _gathered_bytes(shape: ModelShape, strategy: Strategy) -> float:
@@ -81,6 +101,17 @@ def auto_micro_batch(shape: ModelShape, strategy: Strategy, work: Workload, link
     return max(1, min(math.ceil(tokens / work.seq_len), share, MAX_AUTO_MICRO_BATCH))
 
 
+def _head_seconds(shape: ModelShape, completion_tokens: int, frozen: bool, links: Links) -> float:
+    """The output layer in training, over the completion positions only (the loss reads
+    nothing else): chunked logprobs' forward, its backward's recomputed logits and input
+    gradient (and the weight gradient when the head trains), plus ~6 passes over the
+    [tokens, vocab] tiles (exp, the softmax's gradient) at copy bandwidth."""
+    vh = shape.vocab * shape.hidden * completion_tokens
+    flops = (6 if frozen else 8) * vh
+    return flops / (links.device_tflops * 1e12) + 6 * 4 * completion_tokens * shape.vocab / (
+        links.hbm_gbps * 1e9)
+
+
 def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links: Links, options,
                    devices: int, tp: int, replicated: bool = False) -> dict:
     """Transfers per device per step and the compute they hide behind (no schedule).
@@ -96,13 +127,20 @@ def bandwidth_bill(shape: ModelShape, strategy: Strategy, work: Workload, links:
     rep = replicated and strategy.kind == "adapter" and roles.offload < 2
 
     lengths = _lengths(work, options)
-    tokens = sum(work.prompt_len + x for x in lengths)
+    tokens = packed_tokens(work, lengths)
     micro = math.ceil(tokens / (dp * work.micro * work.seq_len))  # packed micro steps per rank
     models = 2 if roles.critic else 1
 
-    train_s = train_compute_seconds(shape.active_params, tokens, work.recompute, links,
-                                    strategy.kind == "adapter") * models / n
-    train_s += links.host_seconds("train", train_ops(strategy.kind, shape.num_layers, micro)) * models
+    if links.train_layer_token_s > 0:  # the layers as timed at the model's widths, the head apart
+        micro = max(micro, links.train_workers)  # cut into at least one part per worker
+        train_s = (tokens * shape.num_layers * links.train_layer_token_s
+                   + _head_seconds(shape, sum(lengths), strategy.kind == "adapter", links)) * models / n
+        train_s += links.host_seconds("train", train_ops_outside_layers(
+            strategy.kind, shape.num_layers, micro)) * models
+    else:
+        train_s = train_compute_seconds(shape.active_params, tokens, work.recompute, links,
+                                        strategy.kind == "adapter") * models / n
+        train_s += links.host_seconds("train", train_ops(strategy.kind, shape.num_layers, micro)) * models
     fwd = 2 * shape.active_params * tokens / (links.device_tflops * 1e12)
     # old logprobs, reference, values; one epoch's old logprobs come from the update's own
     # forward (rl/score.py old_from_update), except for PPO and a fused update over several

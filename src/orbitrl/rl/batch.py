@@ -26,13 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
+from orbitrl.ledger.memory import ROW_TOKENS as LEDGER_ROW_TOKENS
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.moe import replay_routing
 from orbitrl.rl.types import Sample
 from orbitrl.train.logprobs import token_logprobs
 
 
-ROW_TOKENS = 64  # minimum row length: rows of short samples hold a few samples each
+# minimum row length (rows of short samples hold a few samples each): the ledger's figure
+ROW_TOKENS = LEDGER_ROW_TOKENS
 
 
 @dataclass
