@@ -132,8 +132,9 @@ def test_gemma_config_defaults_follow_transformers():
 def test_gpt_oss_config_defaults_follow_transformers():
     """Keys a gpt-oss config may leave out take transformers' defaults (every other layer
     sliding, from the first, with a 128-token window; yarn on base 150000 with truncate
-    false; biases; SwiGLU alpha 1.702 and limit 7); an MXFP4 checkpoint stops with one line
-    naming config.json and the way out, and so does a SwiGLU limit that is not positive."""
+    false; biases; SwiGLU alpha 1.702 and limit 7); a checkpoint quantized otherwise than
+    MXFP4 (read dequantized: test_quantized_checkpoints.py) stops with one line naming
+    config.json and the way out, and so does a SwiGLU limit that is not positive."""
     from transformers import GptOssConfig
 
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
@@ -148,8 +149,8 @@ def test_gpt_oss_config_defaults_follow_transformers():
     assert c.attn_sinks and c.qkv_bias and c.o_bias and not c.tie_word_embeddings
     assert (c.moe.swiglu, c.moe.bias, c.moe.softmax_topk) == ((1.702, 7.0), True, True)
     assert (c.moe.num_experts, c.moe.expert_intermediate, c.moe.top_k) == (4, 32, 2)
-    for bad, match in [({"quantization_config": {"quant_method": "mxfp4"}},
-                        r"quantization_config \(mxfp4\).*dequantized bf16"),
+    for bad, match in [({"quantization_config": {"quant_method": "bitsandbytes"}},
+                        r"quantization_config \(bitsandbytes\).*dequantized bf16"),
                        ({"swiglu_limit": 0}, "swiglu_limit")]:
         with pytest.raises(OrbitError, match=match) as e:
             ModelConfig.from_hf(dict(base, model_type="gpt_oss", **bad), "x/config.json")
@@ -246,7 +247,8 @@ def test_deepseek_v3_config_defaults_follow_transformers():
     """Keys a DeepSeek-V3 config may leave out take transformers' defaults (q through
     q_a/q_b of rank 1536, latent 512 + rope 64, interleaved rope pairs, 3 dense layers,
     8 groups keeping 4, scale 2.5, one shared expert); yarn's mscale_all_dim scales the
-    softmax; an fp8 checkpoint and groups that cannot hold the top-k stop with one line."""
+    softmax; an fp8 checkpoint other than e4m3 blocks and groups that cannot hold the top-k
+    stop with one line."""
     from transformers import DeepseekV3Config
 
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
@@ -265,7 +267,7 @@ def test_deepseek_v3_config_defaults_follow_transformers():
             "original_max_position_embeddings": 4096}
     scaled = ModelConfig.from_hf(dict(base, model_type="deepseek_v3", rope_scaling=yarn))
     assert scaled.attn_scale == 192 ** -0.5 * (0.1 * math.log(40.0) + 1) ** 2
-    for bad, match in [({"quantization_config": {"quant_method": "fp8"}},
+    for bad, match in [({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}},
                         r"quantization_config \(fp8\)"),
                        ({"n_group": 3}, "n_group 3"),
                        ({"topk_group": 1, "n_group": 8}, "topk_group 1"),

@@ -20,13 +20,13 @@ name them, so weights, LoRA adapters and exports map one to one; only the first
 gpt-oss (``gpt_oss``): a learned logit per query head (``sinks``) joins each softmax's
 denominator, sliding and full layers alternate (``layer_types``), q/k/v/o carry biases, yarn
 rotary; its experts (biased, clamped SwiGLU) and router are in ``moe.py``. Its MXFP4
-checkpoints (``quantization_config``) are refused: the loader reads unquantized tensors.
+checkpoints (``quantization_config``) are dequantized at load (``weights.py``).
 
 DeepSeek-V3 (``deepseek_v3``): multi-head latent attention (:class:`MLAConfig`, ``mla.py``:
 the KV cache keeps one compressed row per token and layer), the first
 ``first_k_dense_replace`` layers dense and the rest a mixture with sigmoid, group-limited
-routing and shared experts (``moe.py``). Its fp8 checkpoints (``quantization_config``) are
-refused like every quantized one.
+routing and shared experts (``moe.py``). Its fp8 block-quantized checkpoints are
+dequantized at load (``weights.py``); other quantized checkpoints are refused.
 
 Rope types (``rope_parameters`` / ``rope_scaling``, computed in ``rope.py``): default,
 linear, llama3, yarn, longrope, dynamic. llama3 / yarn / longrope read
@@ -290,10 +290,16 @@ class ModelConfig:
         if mt not in FAMILIES:
             raise _not_native(hf, mt, source)
         if hf.get("quantization_config"):
-            method = (hf["quantization_config"] or {}).get("quant_method", "?")
-            raise OrbitError(f"{source}: quantization_config ({method}) is not supported: "
-                             "orbitrl reads unquantized weights; use the dequantized bf16 "
-                             "checkpoint (model.base_dtype quantizes it at load)")
+            q = hf["quantization_config"] or {}
+            method = q.get("quant_method", "?")
+            # fp8 blocks (DeepSeek-V3) and MXFP4 experts (gpt-oss) are dequantized at load
+            # (model/weights.py iter_checkpoint); model.base_dtype quantizes them again
+            if method not in ("fp8", "mxfp4") or (method == "fp8" and q.get("fmt", "e4m3")
+                                                  != "e4m3"):
+                raise OrbitError(f"{source}: quantization_config ({method}) is not supported: "
+                                 "orbitrl reads unquantized weights, fp8 e4m3 blocks and "
+                                 "MXFP4 experts; use the dequantized bf16 checkpoint "
+                                 "(model.base_dtype quantizes it at load)")
         qkv_default, qk_norm = FAMILIES[mt]
         try:
             heads = hf["num_attention_heads"]

@@ -16,6 +16,7 @@ export fuses them back (``fuse_experts``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from contextlib import contextmanager
@@ -154,13 +155,87 @@ def weight_files(path: Path) -> list[Path]:
                      "(only safetensors weights are supported)")
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """Yield (HF name, file, tensor) one tensor at a time from memory-mapped shards."""
-    for f in weight_files(Path(path)):
+# checkpoint quantizations read by dequantizing at load (config.json quantization_config)
+DEQUANTIZED = ("fp8", "mxfp4")
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-quantized fp8 weight (DeepSeek-V3's ``weight_block_size``, e.g. [128, 128])
+    in fp32: each ``block`` tile of ``w`` times its entry of ``scale_inv`` (the grid of
+    ``ceil(rows / bm) x ceil(cols / bn)`` scales; the last tiles may be partial)."""
+    rows, cols = w.shape[-2:]
+    bm, bn = block
+    want = (math.ceil(rows / bm), math.ceil(cols / bn))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise ValueError(f"scale grid {tuple(scale_inv.shape)} for a {tuple(w.shape)} weight "
+                         f"in {bm}x{bn} blocks (expected {want})")
+    s = scale_inv.float().repeat_interleave(bm, -2).repeat_interleave(bn, -1)
+    return w.float() * s[..., :rows, :cols]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's MXFP4 expert weights in fp32: ``blocks`` [..., R, G, 16] bytes of two e2m1
+    values each (low nibble first), ``scales`` [..., R, G] biased exponents (value - 127)
+    shared by each group of 32; returned [..., G * 32, R], the bf16 checkpoint's layout
+    (``gate_up_proj`` [experts, hidden, 2 x intermediate])."""
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales "
+                         f"{tuple(scales.shape)} do not pair (blocks [..., G, 16], scales [..., G])")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    b = blocks.to(torch.uint8)
+    vals = torch.stack([lut[(b & 0x0F).long()], lut[(b >> 4).long()]], dim=-1)
+    vals = torch.ldexp(vals.flatten(-2), (scales.to(torch.int32) - 127)[..., None])
+    return vals.flatten(-2).transpose(-1, -2).contiguous()
+
+
+def _partner(key: str, method: str) -> str | None:
+    """The scale tensor a quantized checkpoint stores beside ``key``, if any."""
+    if method == "fp8" and key.endswith(".weight"):
+        return key + "_scale_inv"
+    if method == "mxfp4" and key.endswith("_blocks"):
+        return key[: -len("_blocks")] + "_scales"
+    return None
+
+
+def iter_checkpoint(path: str | Path, quant: dict | None = None
+                    ) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """Yield (HF name, file, tensor) one tensor at a time from memory-mapped shards.
+
+    ``quant``: config.json's ``quantization_config`` (``fp8`` block-quantized as
+    DeepSeek-V3 ships, ``mxfp4`` experts as gpt-oss ships): each quantized tensor is yielded
+    dequantized to fp32 under the name of the unquantized checkpoint, its scales
+    (``*.weight_scale_inv``, ``*_scales``) not yielded; tensors stored unquantized pass."""
+    files = weight_files(Path(path))
+    method = (quant or {}).get("quant_method")
+    where: dict[str, Path] = {}
+    if method:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                where.update(dict.fromkeys(sf.keys(), f))
+    block = tuple((quant or {}).get("weight_block_size") or (128, 128))
+    for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
-                    yield key, f, sf.get_tensor(key)
+                    if method and (key.endswith("_scale_inv") or key.endswith("_scales")):
+                        continue
+                    t = sf.get_tensor(key)
+                    scale_key = _partner(key, method) if method else None
+                    if scale_key is None or scale_key not in where:
+                        if method == "mxfp4" and key.endswith("_blocks"):
+                            raise OrbitError(f"{f}: {key} has no {scale_key} beside it")
+                        yield key, f, t
+                        continue
+                    with safe_open(str(where[scale_key]), framework="pt", device="cpu") as sc:
+                        scale = sc.get_tensor(scale_key)
+                    try:
+                        if method == "fp8":
+                            yield key, f, dequantize_fp8(t, scale, block)
+                        else:
+                            yield key[: -len("_blocks")], f, dequantize_mxfp4(t, scale)
+                    except ValueError as e:
+                        raise OrbitError(f"{f}: {key}: {e}") from None
         except SafetensorError as e:
             raise OrbitError(f"{f}: unreadable or truncated safetensors file ({e})") from None
 
@@ -238,7 +313,7 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
     expected.update(buffers)
     replaced: set[str] = set()
     seen: set[str] = set()
-    for key, f, t in iter_checkpoint(path):
+    for key, f, t in iter_checkpoint(path, cfg.hf.get("quantization_config")):
         try:
             name = hf_to_ours(key)
         except KeyError:
@@ -345,6 +420,7 @@ def save_pretrained(model: Decoder, out_dir: str | Path, tokenizer=None, dtype=N
         size += nbytes
     shards.append(cur)
     hf = dict(model.config.hf)
+    hf.pop("quantization_config", None)  # the weights written are dequantized
     hf["architectures"] = hf.get("architectures") or [_ARCH[model.config.model_type]]
     some = next(iter(sd.values()))
     hf["dtype"] = str(some.dtype).replace("torch.", "")
