@@ -207,6 +207,39 @@ def test_generate_and_eval_commands_run_through_transformers(neox, tmp_path, cap
     assert "no native code" in capsys.readouterr().err
 
 
+def test_reward_model_through_transformers(neox, tmp_path, capsys):
+    """`orbitrl rm` on a model without native code: a fresh head on its backbone, saved as
+    transformers' sequence classifier of the family (scores equal to ours), then used as
+    the reward of a GRPO run of the same fallback model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from orbitrl.train.reward_model import load_reward_model, reward_ids
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b),
+                                         "rejected": str(a + b + 1)}) + "\n"
+                             for a in range(4) for b in range(4)))
+    out = tmp_path / "rm"
+    assert main(["rm", "--model", str(neox), "--data", str(pairs), "--out", str(out),
+                 "--epochs", "2", "--batch-size", "4"]) == 0
+    assert "held-out pair accuracy" in capsys.readouterr().out
+    ours = load_reward_model(out)
+    tok = load_tokenizer(out, 128)
+    rows = [reward_ids(tok, "1+2=", "3"), reward_ids(tok, "1+2=", "44")]
+    ref = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(ref).__name__ == "GPTNeoXForSequenceClassification"
+    with torch.no_grad():
+        want = [ref(input_ids=torch.tensor([r])).logits[0, 0].item() for r in rows]
+    assert ours.scores(rows) == pytest.approx(want, abs=1e-5)
+    run = tmp_path / "run"
+    assert main(["train", "--set", f"model.path={neox}", "--set", "train.max_steps=1",
+                 "--set", f"reward.name=rm:{out}", "--out", str(run)]
+                + [a for kv in SMALL for a in ("--set", kv)]) == 0
+    row = read_metrics(run / "metrics.jsonl")[0]
+    assert row["reward_rm_errors"] == 0 and row["reward_rm_mean"] != 0
+    assert row["reward_mean"] == pytest.approx(row["reward_rm_mean"])
+
+
 def test_sft_through_transformers(neox, tmp_path, capsys):
     """`orbitrl sft` on a model without native code: the loss falls and the written model
     loads in transformers with the trained weights' logits."""

@@ -42,7 +42,7 @@ def run(args) -> int:
     import torch  # start-up: kept off --help
     from tqdm import tqdm  # start-up: kept off --help
 
-    from orbitrl.model import ModelConfig, load_tokenizer  # start-up: kept off --help
+    from orbitrl.model import load_tokenizer  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
     from orbitrl.train.reward_model import (  # start-up: kept off --help
         new_reward_model, save_reward_model)
@@ -67,7 +67,11 @@ def run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    tok = load_tokenizer(path, ModelConfig.from_dir(path).vocab_size)
+    try:
+        vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    except (OSError, json.JSONDecodeError) as e:
+        raise OrbitError(f"{path / 'config.json'}: unreadable ({e})") from None
+    tok = load_tokenizer(path, vocab)
     rm = new_reward_model(path, tok, device=device, seed=args.seed)
     pairs = encode_pairs(tok, rows)
     train, held = ((pairs, encode_pairs(tok, held_rows)) if held_rows is not None

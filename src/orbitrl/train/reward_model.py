@@ -12,6 +12,10 @@ Two checkpoint formats load (``load_reward_model``):
 - orbitrl's first format: a causal-LM directory plus ``reward_head.safetensors``
   (``weight`` [1, H], ``bias`` [1]), read at the last token.
 
+A family without native code (``model/hf_fallback.py``) loads, trains and saves through
+transformers: its sequence classifier's backbone behind ``HFDecoder`` and its ``score``, or
+its causal LM with a fresh head, saved as transformers' sequence classifier of that family.
+
 A (prompt, completion) becomes token ids one way for training and scoring alike
 (``reward_ids``): through the tokenizer's chat template as a user turn and the assistant's
 reply when it has one (what reward models on the Hub expect), else the two texts joined.
@@ -28,7 +32,9 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from orbitrl.errors import OrbitError
+from orbitrl.model.config import FAMILIES, ModelConfig, NotNative
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.hf_fallback import HFDecoder, load_hf_model
 from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import export_state_dict, load_model, to_dtype
 
@@ -130,6 +136,8 @@ def load_reward_model(path: str | Path, dtype="float32", device="cpu") -> Scalar
     if labels is None and not (path / HEAD_FILE).exists():
         raise OrbitError(f"{path}: not a reward model (neither a *ForSequenceClassification "
                          f"config.json nor a {HEAD_FILE} scalar head)")
+    if not native(path):
+        return _load_through_transformers(path, labels, dtype, device)
     extra: dict[str, torch.Tensor] = {}
     backbone = load_model(path, dtype=dtype, device=device, extra=extra)
     H = backbone.config.hidden_size
@@ -151,6 +159,56 @@ def load_reward_model(path: str | Path, dtype="float32", device="cpu") -> Scalar
     return ScalarRewardModel(backbone, head, pad)
 
 
+def native(path: Path) -> bool:
+    """Whether the model at ``path`` has native code (False: a causal LM or sequence
+    classifier that runs through transformers; anything else stops with one line)."""
+    if classifier_labels(path) is not None:
+        return _config(path).get("model_type") in FAMILIES
+    try:
+        ModelConfig.from_dir(path)
+    except NotNative:
+        return False
+    return True
+
+
+def _score_head(module, source) -> nn.Linear:
+    """A transformers sequence classifier's scalar head (``score``, one output, no bias)."""
+    head = getattr(module, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1 or head.bias is not None:
+        raise OrbitError(f"{source}: the classifier's head is not a bias-free linear 'score' "
+                         "with one output; orbitrl reads such reward models only")
+    return head
+
+
+def _load_through_transformers(path: Path, labels: int | None, dtype, device
+                               ) -> ScalarRewardModel:
+    """A reward model of a family without native code: a transformers sequence classifier
+    (its backbone and ``score``), or a causal LM plus orbitrl's head file."""
+    if labels is None:  # the first format: the causal LM and reward_head.safetensors
+        backbone = load_hf_model(path, str(to_dtype(dtype)).replace("torch.", ""), device)
+        sd = load_file(str(path / HEAD_FILE))
+        head = nn.Linear(backbone.config.hidden_size, 1).to(device=device, dtype=to_dtype(dtype))
+        try:
+            head.load_state_dict(sd)
+        except RuntimeError as e:
+            raise OrbitError(f"{path / HEAD_FILE}: not a scalar head ({e})") from None
+        return ScalarRewardModel(backbone, head, None)
+    from transformers import AutoModelForSequenceClassification  # fallback families only
+
+    from transformers.utils import logging as hf_logging  # as above
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # (its loading bar; the run prints its own lines)
+    try:
+        hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=to_dtype(dtype))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    head = _score_head(hf, path / "config.json")
+    raw = _config(path)
+    return ScalarRewardModel(HFDecoder(hf.to(device), raw).eval(), head, raw.get("pad_token_id"))
+
+
 def new_reward_model(path: str | Path, tok=None, device="cpu", seed: int = 0
                      ) -> ScalarRewardModel:
     """A reward model to train from a model directory, in fp32: a sequence classifier as
@@ -161,8 +219,11 @@ def new_reward_model(path: str | Path, tok=None, device="cpu", seed: int = 0
     path = Path(path)
     if classifier_labels(path) is not None:
         return load_reward_model(path, device=device)
-    backbone = load_model(path, device=device)
-    backbone.lm_head = None
+    if native(path):
+        backbone = load_model(path, device=device)
+        backbone.lm_head = None
+    else:  # through transformers (its lm_head stays: transformers' module owns it)
+        backbone = load_hf_model(path, "float32", device)
     H = backbone.config.hidden_size
     head = nn.Linear(H, 1, bias=False, device=device)
     with torch.no_grad():
@@ -179,6 +240,8 @@ def save_reward_model(rm: ScalarRewardModel, out: str | Path, tokenizer=None) ->
     out, cfg = Path(out), rm.backbone.config
     if rm.score.bias is not None:
         raise OrbitError(f"{out}: a head with a bias has no sequence-classifier form")
+    if isinstance(rm.backbone, HFDecoder):
+        return _save_through_transformers(rm, out, tokenizer)
     sd = {k: v for k, v in export_state_dict(rm.backbone).items() if k.startswith("model.")}
     sd["score.weight"] = rm.score.weight.detach()
     sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
@@ -189,6 +252,33 @@ def save_reward_model(rm: ScalarRewardModel, out: str | Path, tokenizer=None) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def _save_through_transformers(rm: ScalarRewardModel, out: Path, tokenizer=None) -> Path:
+    """A reward model without native code as transformers' own sequence classifier of its
+    family: the trained backbone's weights and the score head, its config's dropout rates
+    as the checkpoint had them."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification  # fallback families only
+
+    conf = copy.deepcopy(rm.backbone.hf.config)
+    for k, v in rm.backbone.dropout.items():
+        setattr(conf, k, v)
+    conf.num_labels, conf.pad_token_id, conf.architectures = 1, rm.pad_id, None
+    conf.id2label, conf.label2id = {0: "LABEL_0"}, {"LABEL_0": 0}
+    try:
+        seq = AutoModelForSequenceClassification.from_config(conf)
+    except ValueError as e:
+        raise OrbitError(f"{out}: transformers has no sequence classifier for "
+                         f"{conf.model_type!r} ({e})") from None
+    seq.base_model.load_state_dict(rm.backbone.hf.base_model.state_dict())
+    with torch.no_grad():
+        _score_head(seq, out).weight.copy_(rm.score.weight.detach())
+    seq.to(rm.score.weight.dtype).save_pretrained(out)
     if tokenizer is not None:
         save_tokenizer(tokenizer, out)
     return out
