@@ -88,6 +88,39 @@ def test_sft_limit_takes_the_first_problems(tmp_path, monkeypatch, capsys):
     assert "--limit -1" in capsys.readouterr().err
 
 
+def test_sft_chat_template_trains_the_chat_rollouts_turns(tmp_path, monkeypatch, capsys):
+    """``--chat-template --task tool_arith``: the first N problems of the sft split as the
+    chat rollouts' two turns each (rl/trajectory.py chat_tool_pairs, whose tokens a test in
+    tests/rl/test_trajectory_chat.py follows through a rollout); --eval-every beside it
+    stops with one line."""
+    from chat_helpers import chat_tokenizer
+    from hf_helpers import make_hf_model
+
+    import orbitrl.train.sft as sft
+    from orbitrl.config import load_config
+    from orbitrl.data.tool_arith import tool_rows
+    from orbitrl.rl.trajectory import chat_tool_pairs
+
+    d = tmp_path / "chat"
+    make_hf_model("qwen2", vocab_size=128, max_position_embeddings=1024).save_pretrained(d)
+    chat_tokenizer().save_pretrained(d)
+    seen = {}
+
+    def fake(model, pairs, cfg, progress=None):
+        seen["pairs"] = pairs
+        return [0.0]
+
+    monkeypatch.setattr(sft, "train_sft", fake)
+    assert main(["sft", "--model", str(d), "--task", "tool_arith", "--chat-template",
+                 "--limit", "3", "--steps", "1", "--out", str(tmp_path / "m")]) == 0
+    want = chat_tool_pairs(chat_tokenizer(), load_config(None, [
+        "env.name=tools", "data.chat_template=true"]), tool_rows("sft", 3, traces=False))
+    assert seen["pairs"] == want and len(want) == 6
+    assert main(["sft", "--task", "tool_arith", "--chat-template", "--eval-every", "1",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--eval-every" in capsys.readouterr().err
+
+
 def test_sft_stops_at_a_held_out_accuracy(tmp_path, capsys):
     """``--eval-every N --stop-at ACC``: the held-out rows are scored every N steps as
     ``orbitrl eval --task`` scores them, and the warm start ends (and is saved) at the first

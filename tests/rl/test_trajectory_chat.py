@@ -134,6 +134,40 @@ def test_a_template_that_ignores_tools_gets_them_in_a_system_message(chat_model)
     assert [m["role"] for m in messages] == ["user"] and "calculator" not in text
 
 
+@pytest.mark.parametrize("template", ["qwen", "ignores_tools"])
+def test_chat_warm_start_traces_are_the_rollouts_tokens(chat_model, monkeypatch, template):
+    """`orbitrl sft --task tool_arith --chat-template` trains on ``chat_tool_pairs``: a model
+    that writes its two turns token for token produces, through the rollout's TurnLoop, the
+    second pair's prompt and answer exactly (the call parsed and run, the tool message
+    appended); the first pair is the prompt and the call turn, ending where the turn stops."""
+    from orbitrl.config import load_config
+    from orbitrl.rl.trajectory import chat_tool_pairs
+
+    model, tok = chat_model
+    if template == "ignores_tools":
+        tok = _tokenizer()
+        tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + "
+                             "m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                             "{%- endif %}")
+    cfg = load_config(None, ["env.name=tools", "data.chat_template=true", "env.max_turns=4",
+                             "env.turn_max_tokens=96"])
+    row = {"prompt": "347*58=", "answer": "20126"}
+    (p1, call), (p2, answer) = chat_tool_pairs(tok, cfg, [row])
+    assert p2[:len(p1) + len(call)] == p1 + call
+    assert tok.decode(call).endswith("</tool_call>") and answer[-1] == tok.eos_token_id
+    assert ("You can use these tools" in tok.decode(p1)) == (template == "ignores_tools")
+    eng = Engine(model, tok, kv_budget_bytes=8 << 20, block_size=16)
+    schemas = tool_schemas(build_tools(["calculator"]))
+    loop = TurnLoop(eng, tok, None, cfg, schemas)
+    monkeypatch.setattr(engine_mod, "sample", _scripted_sampler(eng, p2 + answer))
+    trajs, _ = loop.run([row], SamplingParams(n=1, max_tokens=96, temperature=1.0), seed=0)
+    (t,) = trajs
+    assert t.end == "done" and t.info["tool_calls"] == 1 and t.info["answer_hits"] == 1
+    assert t.info["prompt_ids"] == p1
+    assert p1 + t.tokens == p2 + answer
+
+
 class _no_warning:
     def __enter__(self):
         import warnings

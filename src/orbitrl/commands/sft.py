@@ -34,6 +34,12 @@ def add_arguments(parser):
                         "something to learn, whatever the seed or CPU)")
     parser.add_argument("--heldout", type=int, default=200,
                         help="held-out rows each evaluation scores (0: all)")
+    parser.add_argument("--chat-template", action="store_true",
+                        help="prompts through the model's chat template, as a run with "
+                        "data.chat_template: true encodes them; with --task tool_arith the "
+                        "traces are the chat rollouts' own turns (tools listed by the "
+                        "template or a system message, <tool_call>{json}</tool_call> calls, "
+                        "results as tool messages: env.* defaults)")
     parser.add_argument("--out", required=True, help="output model directory")
 
 
@@ -45,7 +51,7 @@ def run(args) -> int:
     from orbitrl.model import load_tokenizer, save_pretrained  # start-up: kept off --help
     from orbitrl.model.hf_fallback import load_any_model  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
-    from orbitrl.train.sft import SFTConfig, encode_pairs, train_sft  # start-up: kept off --help
+    from orbitrl.train.sft import SFTConfig, train_sft  # start-up: kept off --help
 
     if args.limit < 0:
         raise OrbitError(f"--limit {args.limit}: must be >= 0 (0: every row)")
@@ -55,6 +61,9 @@ def run(args) -> int:
         raise OrbitError("--eval-every: needs --task (the held-out rows of a built-in task)")
     if args.stop_at is not None and not args.eval_every:
         raise OrbitError("--stop-at: needs --eval-every N (when to evaluate)")
+    if args.chat_template and args.eval_every:
+        raise OrbitError("--eval-every: scores the built-in syntax only; evaluate a "
+                         "--chat-template warm start with a short `orbitrl train` run")
     if args.stop_at is not None and not 0 <= args.stop_at <= 1:
         raise OrbitError(f"--stop-at {args.stop_at:g}: an accuracy, between 0 and 1")
     torch.manual_seed(args.seed)
@@ -66,9 +75,13 @@ def run(args) -> int:
     if args.data:
         rows = load_rows(args.data, [args.prompt_field, args.answer_field])
         rows = rows[:args.limit] if args.limit else rows
+    elif args.chat_template and args.task == "tool_arith":  # the problems: two turns each
+        from orbitrl.data.tool_arith import tool_rows  # start-up: kept off --help
+
+        rows = tool_rows("sft", args.limit or None, traces=False)
     else:
         rows = task_rows(args.task or "arith", "sft", args.limit or None)
-    pairs = encode_pairs(tok, rows, args.prompt_field, args.answer_field)
+    pairs = _pairs(args, tok, rows)
     score = None
     if args.eval_every:
         score = task_scorer(args.task or "arith", model, tok, args.heldout)
@@ -101,3 +114,25 @@ def run(args) -> int:
                f"{args.stop_at:g})" if reached else "")
     print(f"sft: {len(losses)} steps{stopped}, final loss {losses[-1]:.4f}, wrote {args.out}")
     return 0
+
+
+def _pairs(args, tok, rows) -> list:
+    """(prompt ids, answer ids) per row: plain text, or through the chat template
+    (``--chat-template``; the tool task as its chat rollouts' turns)."""
+    from orbitrl.train.sft import encode_pairs  # start-up: kept off --help
+
+    if not args.chat_template:
+        return encode_pairs(tok, rows, args.prompt_field, args.answer_field)
+    if not getattr(tok, "chat_template", None):
+        raise OrbitError(f"--chat-template: {args.model} has no chat template")
+    if args.task == "tool_arith":
+        from orbitrl.config import load_config  # start-up: kept off --help
+        from orbitrl.rl.trajectory import chat_tool_pairs  # start-up: kept off --help
+
+        return chat_tool_pairs(tok, load_config(None, ["env.name=tools",
+                                                       "data.chat_template=true"]), rows)
+    from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
+
+    return [(encode_prompt(tok, str(r[args.prompt_field]), chat_template=True),
+             list(tok(str(r[args.answer_field]), add_special_tokens=False)["input_ids"])
+             + [tok.eos_token_id]) for r in rows]

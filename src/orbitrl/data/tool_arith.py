@@ -45,15 +45,16 @@ def _problems() -> list[tuple[int, int]]:
     return out
 
 
-def tool_rows(split: str, limit: int | None = None) -> list[dict]:
+def tool_rows(split: str, limit: int | None = None, traces: bool = True) -> list[dict]:
     """Rows ``{"prompt": "347*58=", "answer": "20126"}`` of a split; the ``sft`` split as
-    warm-start pairs (two per problem, see the module docstring)."""
+    warm-start pairs (two per problem, see the module docstring) unless ``traces`` is off
+    (the chat warm start lays out its own: rl/trajectory.py ``chat_tool_pairs``)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     lo, hi = SPLITS[split]
     probs = _problems()[lo:hi][:limit or None]
     rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in probs]
-    if split != "sft":
+    if split != "sft" or not traces:
         return rows
     pairs = []
     for r in rows:

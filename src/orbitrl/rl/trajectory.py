@@ -16,6 +16,7 @@ step's metrics; the step trains on the rest.
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -409,6 +410,40 @@ def trajectory_log(trajs: list[Trajectory], count: int, step: int) -> list[dict]
              "prompt": t.info.get("first_text", ""), "turns_text": t.log,
              **({"error": t.info["error"]} if "error" in t.info else {})}
             for t in trajs[:count]]
+
+
+def chat_tool_pairs(tok, cfg, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """Warm-start pairs of the built-in tool task (``{"prompt": "347*58=", "answer":
+    "20126"}`` rows) in the chat format a run of ``cfg`` (``env.*``, ``data.chat_template``
+    on) puts the model in: the two model turns of a solved trajectory, each as (the tokens
+    before it, its tokens), laid out by the same :class:`TurnFormat` the rollouts use (the
+    tools in the template or in a system message, the call in ``env``'s syntax, the result
+    as the template's tool message), so supervised learning sees the rollout's tokens and
+    never trains on the environment's. The call turn ends at ``env.tool_call_end`` (where a
+    rollout's turn stops), the answer turn at the end-of-sequence token."""
+    env = cfg.env
+    tools = tools_of(env, cfg)
+    fmt = TurnFormat(tok, env, True, tool_schemas(tools))
+    if fmt.mode != "template":
+        raise OrbitError("chat tool traces need env.tool_results: template (a chat template "
+                         "that renders tool messages)")
+    tool = env.tools[0]
+    out = []
+    for r in rows:
+        expr = str(r["prompt"]).rstrip("=")
+        first, messages = fmt.prompt(str(r["prompt"]), None)
+        args = {"expression": expr} if tool == "calculator" else {"code": f"print({expr})"}
+        body = (json.dumps({"name": tool, "arguments": args}) if env.tool_call_format == "json"
+                else expr)
+        call = env.tool_call_start + body + env.tool_call_end
+        call_ids = fmt.ids(call)
+        so_far = tok.decode(first + call_ids, skip_special_tokens=False)  # as _observe reads it
+        traj = Trajectory(0, 0, r, None, messages=messages + [
+            {"role": "assistant", "content": call}])
+        after = fmt.observation(traj, str(tools[tool](args)), so_far)
+        out.append((first, call_ids))
+        out.append((first + call_ids + after, fmt.ids(str(r["answer"])) + [tok.eos_token_id]))
+    return out
 
 
 def trajectories_fn(engine, tok, encode, cfg):
