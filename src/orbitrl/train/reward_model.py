@@ -24,6 +24,7 @@ Trained by ``train/rm.py`` (``orbitrl rm``); a reward source through ``rl/reward
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -261,8 +262,6 @@ def _save_through_transformers(rm: ScalarRewardModel, out: Path, tokenizer=None)
     """A reward model without native code as transformers' own sequence classifier of its
     family: the trained backbone's weights and the score head, its config's dropout rates
     as the checkpoint had them."""
-    import copy
-
     from transformers import AutoModelForSequenceClassification  # fallback families only
 
     conf = copy.deepcopy(rm.backbone.hf.config)
