@@ -114,13 +114,14 @@ def test_timed_layers_price_training_per_token():
 
 
 def test_plan_tokens_follow_the_trainers_packing():
-    """A GRPO group whose prompt and completions fit one row trains on one copy of its
-    prompt (rl/batch.py); the plan counts the positions so, within the trainer's padding."""
+    """A GRPO group whose prompt and completions fit one row, or whose attention costs no
+    more than its samples' own rows, trains on one copy of its prompt (rl/batch.py); the
+    plan counts the positions so, within the trainer's padding."""
     from orbitrl.ledger.timing import packed_tokens
     from orbitrl.rl.batch import positions
     from orbitrl.rl.types import Sample
 
-    for prompt, reply in ((6, 3), (47, 16)):
+    for prompt, reply in ((6, 3), (47, 16), (8, 40)):
         work = Workload(prompt_len=prompt, completion_len=reply, samples_per_step=16,
                         group_size=8)
         lengths = (reply,) * 16
@@ -130,7 +131,10 @@ def test_plan_tokens_follow_the_trainers_packing():
         planned, packed = packed_tokens(work, lengths), positions(samples)
         assert planned <= packed <= 1.15 * planned
     assert packed_tokens(Workload(prompt_len=6, group_size=8), (3,) * 16) == 2 * (6 + 24)
-    assert packed_tokens(Workload(prompt_len=47, group_size=8), (16,) * 16) == 16 * 63
+    # a long prompt: the group widens its row (attention 175^2 <= 8 x 63^2)
+    assert packed_tokens(Workload(prompt_len=47, group_size=8), (16,) * 16) == 2 * (47 + 128)
+    # long completions: a group's row would cost more attention than its samples' own
+    assert packed_tokens(Workload(prompt_len=8, group_size=8), (40,) * 16) == 16 * 48
     assert packed_tokens(Workload(prompt_len=6, group_size=1), (3,) * 16) == 16 * 9
 
 

@@ -101,6 +101,32 @@ def test_a_group_shares_one_prompt_copy_when_it_fits_the_row():
     assert pack(s, "cpu", row_tokens=200, share_prompts=False).parent_ids is None
 
 
+def test_a_long_prompt_group_widens_its_row(model):
+    """A chat prompt longer than its completions: the group is laid out whole in a row
+    wider than the longest sample when that costs no more attention ((P + sum C)^2 <= sum
+    (P + C)^2); its logprobs equal one prompt copy per sample. Long completions keep their
+    own rows."""
+    from orbitrl.rl.batch import positions
+
+    rng = random.Random(3)
+
+    def group(g, P, C, n):
+        prompt = [rng.randrange(2, 90) for _ in range(P)]
+        return [Sample(g, prompt, [rng.randrange(2, 90) for _ in range(C)], [-0.5] * C,
+                       "length", "") for _ in range(n)]
+
+    s = group(0, 47, 16, 8) + group(1, 47, 14, 8)
+    shared = pack(s, "cpu")
+    assert shared.parent_ids is not None and shared.input_ids.shape == (2, 47 + 8 * 16)
+    assert positions(s) == 2 * 175 < 8 * 63 + 8 * 61
+    with torch.no_grad():
+        got = score(model, shared)
+        ref = score(model, pack(s, "cpu", share_prompts=False))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    long = group(2, 8, 40, 8)  # (8 + 320)^2 > 8 x 48^2: one row each
+    assert pack(long, "cpu").parent_ids is None and positions(long) == 8 * 48
+
+
 @pytest.fixture(scope="module")
 def window_model(tmp_path_factory):
     """A tiny Mistral-shaped model with a sliding window of 5 (shorter than the samples)."""

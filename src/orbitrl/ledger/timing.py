@@ -42,15 +42,17 @@ def _lengths(work: Workload, options) -> tuple[int, ...]:
 
 def packed_tokens(work: Workload, lengths: tuple[int, ...]) -> int:
     """Positions the trainer computes for these completions: a group of ``group_size``
-    samples whose prompt and completions fit one row (``max(longest sample, ROW_TOKENS)``)
-    holds one copy of its prompt, as rl/batch.py packs it; other samples their own."""
+    samples holds one copy of its prompt where rl/batch.py ``_units`` lays it out so (its
+    prompt and completions fit one row of ``max(longest sample, ROW_TOKENS)``, or its
+    attention costs no more than its samples' own rows); other samples their own."""
     P, g = work.prompt_len, max(1, work.group_size)
     width = max(P + max(lengths), ROW_TOKENS)
     total = 0
     for i in range(0, len(lengths), g):
         grp = lengths[i:i + g]
         shared = P + sum(grp)
-        total += shared if len(grp) > 1 and shared <= width else sum(P + x for x in grp)
+        fits = shared <= width or shared ** 2 <= sum((P + x) ** 2 for x in grp)
+        total += shared if len(grp) > 1 and fits else sum(P + x for x in grp)
     return total
 
 

@@ -12,7 +12,10 @@ useful ones, more than every projection of the forward together.
 The samples of one prompt share one copy of it (``_units``): a GRPO group of n samples is
 laid out as [prompt][completion 1]...[completion n], each completion attending to the
 prompt and to itself. At the built-in task's 8 x 8 samples this lays out about half the
-tokens of one prompt copy per sample, and the forward and backward cost follows.
+tokens of one prompt copy per sample, and the forward and backward cost follows; a group
+wider than the rows is laid out whole in a wider row when its attention costs no more
+than its samples' own rows (a long chat prompt: SmolLM2's groups train on 175 positions
+instead of 504).
 
 The trainer needs the log-probability of each completion token: the hidden state at the
 token before it is projected to the vocabulary through the chunked ``token_logprobs`` (no
@@ -78,8 +81,12 @@ def _rows(lens: list[int], width: int) -> list[tuple[int, int]]:
 def _units(samples: list[Sample], width: int, share: bool) -> list[list[int]]:
     """Samples grouped into layout units, in order of their first sample. A unit of several
     samples (a GRPO group: same group, same prompt) is laid out as one copy of the prompt
-    followed by every completion; it is formed only when it fits a row of ``width``, so
-    sharing never widens rows (dense attention costs rows x width^2)."""
+    followed by every completion; it is formed when it fits a row of ``width``, or when its
+    dense attention costs no more than its samples' own rows would ((P + sum C)^2 <= sum
+    (P + C)^2: the prompt dominates, as a chat template's system turn makes it), in which
+    case the row widens to hold it (``_layout``). SmolLM2's 47-token chat prompts with 8
+    completions of 16: 175 positions per group instead of 8 x 63 = 504, attention 30.6k
+    score pairs per head instead of 31.8k."""
     by_prompt: dict[tuple, list[int]] = {}
     for b, s in enumerate(samples):
         key = (s.group, tuple(s.prompt_ids)) if share else (b,)
@@ -87,16 +94,30 @@ def _units(samples: list[Sample], width: int, share: bool) -> list[list[int]]:
     units = []
     for members in by_prompt.values():
         P = len(samples[members[0]].prompt_ids)
-        if len(members) > 1 and P + sum(len(samples[b].completion_ids) for b in members) <= width:
+        cs = [len(samples[b].completion_ids) for b in members]
+        shared = P + sum(cs)
+        if len(members) > 1 and (shared <= width or shared ** 2 <= sum((P + c) ** 2 for c in cs)):
             units.append(members)
         else:
             units += [[b] for b in members]
     return units
 
 
+def _layout(samples: list[Sample], row_tokens: int, share: bool
+            ) -> tuple[list[list[int]], list[int], int]:
+    """(units, their lengths, the row width): rows of at least the longest sample and
+    ``row_tokens``, widened to the longest shared unit."""
+    width = max(max(len(s.prompt_ids) + len(s.completion_ids) for s in samples), row_tokens)
+    units = _units(samples, width, share)
+    ulens = [len(samples[u[0]].prompt_ids) + sum(len(samples[b].completion_ids) for b in u)
+             for u in units]
+    return units, ulens, max([width] + ulens)
+
+
 def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
          share_prompts: bool = True) -> PackedBatch:
-    """Samples -> rows of at most max(longest sample, ``row_tokens``) tokens, built on the
+    """Samples -> rows of at most max(longest sample, ``row_tokens``, longest shared prompt
+    unit) tokens, built on the
     host and moved to ``device`` in one copy per tensor. With ``share_prompts`` the samples
     of one prompt are laid out after a single copy of it (see ``_units``): the prompt's
     tokens are computed once for the group, and each completion attends to that copy as its
@@ -104,10 +125,7 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
     the same as with one copy per sample, up to float rounding."""
     B = len(samples)
     T = max(len(s.completion_ids) for s in samples)
-    width = max(max(len(s.prompt_ids) + len(s.completion_ids) for s in samples), row_tokens)
-    units = _units(samples, width, share_prompts)
-    ulens = [len(samples[u[0]].prompt_ids) + sum(len(samples[b].completion_ids) for b in u)
-             for u in units]
+    units, ulens, width = _layout(samples, row_tokens, share_prompts)
     where = _rows(ulens, width)
     R = 1 + max(r for r, _ in where)
     L = max(o + n for (_, o), n in zip(where, ulens))
@@ -167,10 +185,7 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
 def positions(samples: list[Sample], row_tokens: int = ROW_TOKENS,
               share_prompts: bool = True) -> int:
     """Rows x row length of ``pack(samples)``: the positions its forward computes."""
-    width = max(max(len(s.prompt_ids) + len(s.completion_ids) for s in samples), row_tokens)
-    units = _units(samples, width, share_prompts)
-    ulens = [len(samples[u[0]].prompt_ids) + sum(len(samples[b].completion_ids) for b in u)
-             for u in units]
+    units, ulens, width = _layout(samples, row_tokens, share_prompts)
     where = _rows(ulens, width)
     return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, ulens))
 
