@@ -45,22 +45,9 @@ def add_arguments(parser):
 
 def _load(path, fmt: str, adapter: str | None):
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
-    from orbitrl.model.hf_fallback import load_hf_model  # start-up: kept off --help
-    from orbitrl.rl.policy import load_base, native  # start-up: kept off --help
+    from orbitrl.rl.policy import load_checked  # start-up: kept off --help
 
-    path = resolve_model_path(path)
-    if not native(path):  # a causal LM without native code: through transformers
-        if fmt != "fp32":
-            raise OrbitError(f"--base-dtype {fmt}: {path / 'config.json'} has no native code; "
-                             "it is checked over its fp32 weights only (docs/models.md)")
-        model = load_hf_model(path, "float32", "cpu")
-    else:
-        model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
-    if adapter:
-        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
-
-        load_adapters(model, adapter)
-    return model
+    return load_checked(resolve_model_path(path), fmt, adapter, "checked")
 
 
 def _prompts(args, tok) -> list[list[int]]:

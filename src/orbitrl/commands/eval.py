@@ -132,8 +132,7 @@ def _load(model_path, adapter, base_dtype: str = "auto"):
     from orbitrl.model import load_tokenizer  # start-up: kept off --help
     from orbitrl.model.adapters import trained_base  # start-up: kept off --help
     from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
-    from orbitrl.model.hf_fallback import load_hf_model  # start-up: kept off --help
-    from orbitrl.rl.policy import load_base, native  # start-up: kept off --help
+    from orbitrl.rl.policy import load_checked  # start-up: kept off --help
 
     path = resolve_model_path(model_path)
     fmt = base_dtype
@@ -143,19 +142,8 @@ def _load(model_path, adapter, base_dtype: str = "auto"):
             print(f"adapters {adapter} were trained over a {fmt} base: evaluating over the "
                   f"same (--base-dtype fp32 for the full-precision weights)")
     fmt = "fp32" if fmt == "auto" else fmt
-    if not native(path):  # a causal LM without native code: through transformers
-        if fmt != "fp32":
-            raise OrbitError(f"--base-dtype {fmt}: {path / 'config.json'} has no native code; "
-                             "it is evaluated over its fp32 weights only (docs/models.md)")
-        model = load_hf_model(path, "float32", "cpu")
-    else:
-        model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
-    tok = load_tokenizer(path, model.config.vocab_size)
-    if adapter:
-        from orbitrl.model.adapters import load_adapters  # start-up: kept off --help
-
-        load_adapters(model, adapter)
-    return model, tok, path
+    model = load_checked(path, fmt, adapter, "evaluated")
+    return model, load_tokenizer(path, model.config.vocab_size), path
 
 
 def task_scorer(task: str, model, tok, limit: int, max_tokens: int = 8):

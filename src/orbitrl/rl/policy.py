@@ -27,6 +27,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.engine.governor import available_memory
 from orbitrl.ledger.runtime import choose_base_dtype, forced_recompute, reference_needed
 from orbitrl.model import load_tokenizer, moe
+from orbitrl.model.adapters import load_adapters
 from orbitrl.model.builtin import resolve_model_path
 from orbitrl.model.config import ModelConfig, NotNative
 from orbitrl.model.decoder import Decoder
@@ -157,6 +158,24 @@ def native(path: Path) -> bool:
     except NotNative:
         return False
     return True
+
+
+def load_checked(path: Path, fmt: str, adapter: str | None, purpose: str):
+    """A model directory (resolved) with fp32 compute, its frozen base stored in ``fmt``
+    (fp32 | bf16 | int8 | nf4) and the adapters at ``adapter`` loaded, as the commands that
+    read a model (eval, check-alignment) load it; a model without native code runs through
+    transformers over its fp32 weights only (another ``fmt``: one line saying it is
+    ``purpose`` over those only)."""
+    if not native(path):  # a causal LM without native code: through transformers
+        if fmt != "fp32":
+            raise OrbitError(f"--base-dtype {fmt}: {path / 'config.json'} has no native code; "
+                             f"it is {purpose} over its fp32 weights only (docs/models.md)")
+        model = load_hf_model(path, "float32", "cpu")
+    else:
+        model = load_base(path, None if fmt == "fp32" else fmt, "float32", "cpu")
+    if adapter:
+        load_adapters(model, adapter)
+    return model
 
 
 # what the transformers-backed policy cannot run: (config key, its off value or check)
