@@ -157,6 +157,21 @@ def _not_native(hf: dict, mt, source: str) -> OrbitError:
                      f"({', '.join(FAMILIES)})")
 
 
+# checkpoint quantizations read by dequantizing at load (weights.py iter_checkpoint)
+DEQUANTIZED = ("fp8", "mxfp4")
+
+
+def is_native(path) -> bool:
+    """Whether the causal LM at ``path`` has native code; False for one that runs through
+    transformers (``model/hf_fallback.py``). Anything else stops with one line (not a causal
+    LM, unknown to transformers) before weights load."""
+    try:
+        ModelConfig.from_dir(path)
+    except NotNative:
+        return False
+    return True
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -294,7 +309,7 @@ class ModelConfig:
             method = q.get("quant_method", "?")
             # fp8 blocks (DeepSeek-V3) and MXFP4 experts (gpt-oss) are dequantized at load
             # (model/weights.py iter_checkpoint); model.base_dtype quantizes them again
-            if method not in ("fp8", "mxfp4") or (method == "fp8" and q.get("fmt", "e4m3")
+            if method not in DEQUANTIZED or (method == "fp8" and q.get("fmt", "e4m3")
                                                   != "e4m3"):
                 raise OrbitError(f"{source}: quantization_config ({method}) is not supported: "
                                  "orbitrl reads unquantized weights, fp8 e4m3 blocks and "

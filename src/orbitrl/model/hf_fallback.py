@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from orbitrl.errors import OrbitError
 from orbitrl.model.builtin import resolve_model_path
-from orbitrl.model.config import ModelConfig, NotNative
+from orbitrl.model.config import ModelConfig, is_native
 from orbitrl.model.lora import LoRALinear, lora_modules
 from orbitrl.model.tokenizer import save_tokenizer
 from orbitrl.model.weights import load_model, to_dtype
@@ -249,8 +249,6 @@ def load_any_model(path: str | Path, dtype: str = "float32", device="cpu"):
     its family is native, else (a causal LM transformers knows) the transformers-backed
     :class:`HFDecoder`; anything else stops with ModelConfig's one line."""
     path = resolve_model_path(path)
-    try:
-        ModelConfig.from_dir(path)
-    except NotNative:
+    if not is_native(path):
         return load_hf_model(path, dtype, device)
     return load_model(path, dtype=dtype, device=device)

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import re
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -155,8 +155,6 @@ def weight_files(path: Path) -> list[Path]:
                      "(only safetensors weights are supported)")
 
 
-# checkpoint quantizations read by dequantizing at load (config.json quantization_config)
-DEQUANTIZED = ("fp8", "mxfp4")
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -208,17 +206,19 @@ def iter_checkpoint(path: str | Path, quant: dict | None = None
     (``*.weight_scale_inv``, ``*_scales``) not yielded; tensors stored unquantized pass."""
     files = weight_files(Path(path))
     method = (quant or {}).get("quant_method")
-    where: dict[str, Path] = {}
-    if method:
-        for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                where.update(dict.fromkeys(sf.keys(), f))
     block = tuple((quant or {}).get("weight_block_size") or (128, 128))
-    for f in files:
+    with ExitStack() as stack:
         try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
+            opened = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                      for f in files}
+        except SafetensorError as e:
+            raise OrbitError(f"{files[0].parent}: unreadable or truncated safetensors file "
+                             f"({e})") from None
+        where = {k: sf for sf in opened.values() for k in sf.keys()} if method else {}
+        for f, sf in opened.items():
+            try:
                 for key in sf.keys():
-                    if method and (key.endswith("_scale_inv") or key.endswith("_scales")):
+                    if method and key.endswith(("_scale_inv", "_scales")):
                         continue
                     t = sf.get_tensor(key)
                     scale_key = _partner(key, method) if method else None
@@ -227,8 +227,7 @@ def iter_checkpoint(path: str | Path, quant: dict | None = None
                             raise OrbitError(f"{f}: {key} has no {scale_key} beside it")
                         yield key, f, t
                         continue
-                    with safe_open(str(where[scale_key]), framework="pt", device="cpu") as sc:
-                        scale = sc.get_tensor(scale_key)
+                    scale = where[scale_key].get_tensor(scale_key)
                     try:
                         if method == "fp8":
                             yield key, f, dequantize_fp8(t, scale, block)
@@ -236,8 +235,8 @@ def iter_checkpoint(path: str | Path, quant: dict | None = None
                             yield key[: -len("_blocks")], f, dequantize_mxfp4(t, scale)
                     except ValueError as e:
                         raise OrbitError(f"{f}: {key}: {e}") from None
-        except SafetensorError as e:
-            raise OrbitError(f"{f}: unreadable or truncated safetensors file ({e})") from None
+            except SafetensorError as e:
+                raise OrbitError(f"{f}: unreadable or truncated safetensors file ({e})") from None
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor | nn.Module):

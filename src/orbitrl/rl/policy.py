@@ -29,7 +29,7 @@ from orbitrl.ledger.runtime import choose_base_dtype, forced_recompute, referenc
 from orbitrl.model import load_tokenizer, moe
 from orbitrl.model.adapters import load_adapters
 from orbitrl.model.builtin import resolve_model_path
-from orbitrl.model.config import ModelConfig, NotNative
+from orbitrl.model.config import is_native
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.hf_fallback import load_hf_model
 from orbitrl.model.lora import adapter_parameters, apply_lora, candidate_linears
@@ -149,15 +149,7 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
 
 
-def native(path: Path) -> bool:
-    """Whether the model at ``path`` has native code; False for a causal LM that runs
-    through transformers (``model/hf_fallback.py``). Any other model stops here with one
-    line (not a causal LM, unknown to transformers), before weights load."""
-    try:
-        ModelConfig.from_dir(path)
-    except NotNative:
-        return False
-    return True
+native = is_native  # (rl's name for it: the commands and tests import it from here)
 
 
 def load_checked(path: Path, fmt: str, adapter: str | None, purpose: str):

@@ -33,7 +33,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from orbitrl.errors import OrbitError
-from orbitrl.model.config import FAMILIES, ModelConfig, NotNative
+from orbitrl.model.config import FAMILIES, is_native
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.hf_fallback import HFDecoder, load_hf_model
 from orbitrl.model.tokenizer import save_tokenizer
@@ -165,11 +165,7 @@ def native(path: Path) -> bool:
     classifier that runs through transformers; anything else stops with one line)."""
     if classifier_labels(path) is not None:
         return _config(path).get("model_type") in FAMILIES
-    try:
-        ModelConfig.from_dir(path)
-    except NotNative:
-        return False
-    return True
+    return is_native(path)
 
 
 def _score_head(module, source) -> nn.Linear:
