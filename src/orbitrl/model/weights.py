@@ -208,12 +208,12 @@ def iter_checkpoint(path: str | Path, quant: dict | None = None
     method = (quant or {}).get("quant_method")
     block = tuple((quant or {}).get("weight_block_size") or (128, 128))
     with ExitStack() as stack:
-        try:
-            opened = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-                      for f in files}
-        except SafetensorError as e:
-            raise OrbitError(f"{files[0].parent}: unreadable or truncated safetensors file "
-                             f"({e})") from None
+        opened = {}
+        for f in files:
+            try:
+                opened[f] = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            except SafetensorError as e:
+                raise OrbitError(f"{f}: unreadable or truncated safetensors file ({e})") from None
         where = {k: sf for sf in opened.values() for k in sf.keys()} if method else {}
         for f, sf in opened.items():
             try:
