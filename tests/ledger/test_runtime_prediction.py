@@ -113,9 +113,12 @@ def test_predicted_peak_within_10_percent_of_measured(tmp_path):
             assert f"mem_{ph}_predicted_bytes" in row and f"mem_{ph}_measured_bytes" in row
         pred, meas = s["predicted_peak_bytes"], s["measured_peak_bytes"]
         results.append((name, pred, meas, pred / meas - 1, s))
-    lines = [f"{'run':<26} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}"]
+    lines = [f"{'run':<26} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8} "
+             f"{'at shape MiB':>13} {'error':>8}"]
     for name, pred, meas, err, s in results:
-        lines.append(f"{name:<26} {pred / 2**20:>14.1f} {meas / 2**20:>13.1f} {err:>+8.1%}")
+        at = s["predicted_peak_at_shape_bytes"]
+        lines.append(f"{name:<26} {pred / 2**20:>14.1f} {meas / 2**20:>13.1f} {err:>+8.1%} "
+                     f"{at / 2**20:>13.1f} {s['peak_at_shape_error']:>+8.1%}")
         for ph in ("rollout", "score", "train"):
             lines.append(f"  {ph:<24} {s[f'predicted_{ph}_bytes'] / 2**20:>14.1f} "
                          f"{s[f'measured_{ph}_bytes'] / 2**20:>13.1f}")

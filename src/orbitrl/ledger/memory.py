@@ -161,6 +161,10 @@ class Workload:
         group_size: samples per prompt (``rollout.n``): a group whose prompt and
             completions fit one packed row is trained with one copy of its prompt
             (``rl/batch.py``), which the step time counts so.
+        micro_tokens: positions of one micro-batch as the trainer laid it out (rows x row
+            length), when known: a step's own shape (``observe/memory.py``, the prediction
+            at the step's shape); 0 (default): ``micro_batch * seq_len``, every reply at
+            the cap.
     """
 
     prompt_len: int = 512
@@ -177,6 +181,7 @@ class Workload:
     fp64_attention: bool = False
     reply_len: int = 0
     group_size: int = 1
+    micro_tokens: int = 0
 
     @property
     def seq_len(self) -> int:

@@ -12,6 +12,7 @@ per-rank layout).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Wor
                                    activation_bytes, largest_projection_params,
                                    largest_tensor_params, projection_params, state_bytes)
 from orbitrl.ledger.models import ModelShape, from_config
+from orbitrl.ledger.timing import packed_tokens
 
 
 def engine_kv_dtype(kv_dtype: str) -> str | None:
@@ -58,13 +60,15 @@ class RunSpec:
     @classmethod
     def from_config(cls, cfg, prompt_len: int, devices: int = 1, device: str = "cpu",
                     recompute: bool = False, shape: ModelShape | None = None,
-                    workers: int = 1) -> "RunSpec":
+                    workers: int = 1, positions: int = 0) -> "RunSpec":
         """Strategy from ``train.mode`` / ``train.optimizer`` / ``model.base_dtype`` /
         ``lora.rank``, weights and activations in ``model.dtype``, the workload from
         ``rollout`` and ``train.micro_batch_tokens`` (``prompt_len``: the longest prompt of
         the task, in tokens; this rank's share of the samples; 0 tokens: the
         :func:`auto_micro_batch_tokens` of ``shape`` with ``workers`` micro-batches live at
-        once), tiers and the reference's placement as ``rl/policy.py`` sets them."""
+        once), tiers and the reference's placement as ``rl/policy.py`` sets them.
+        ``positions``: the positions of the micro-batches live at once (every worker's), as
+        a step laid them out (0: every reply at the cap)."""
         t, r = cfg.train, cfg.rollout
         recompute = recompute or forced_recompute(t)  # what rl/policy.py sets
         compute = "fp32" if cfg.model.dtype == "fp32" else "bf16"
@@ -91,7 +95,15 @@ class RunSpec:
                                                mb_tokens // seq_len)),
                         samples_per_step=samples, block_size=r.block_size,
                         kv_dtype=kv_dtype or compute, recompute=recompute,
-                        act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64)
+                        act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64,
+                        group_size=r.n)
+        # a micro-batch's positions: the step's own when given, else every reply at the cap,
+        # a GRPO group's prompt once where the trainer shares it, and the micro-batch filled
+        # to mb_tokens positions (rl/batch.py micro_batches; a longer sample goes alone)
+        per_worker = math.ceil(samples / max(1, workers))
+        work = dataclasses.replace(work, micro_tokens=math.ceil(
+            positions / max(1, workers)) if positions else min(
+            max(mb_tokens, seq_len), packed_tokens(work, (r.max_tokens,) * per_worker)))
         tiers = t.tiers if n == 1 and t.mode == "full" else 0
         pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
         roles = RoleOptions(reference="host" if t.mode == "full" and reference_needed(cfg)
@@ -230,7 +242,7 @@ PACKED_RUNTIME_BYTES = 32 << 20
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
                        device: str = "cpu", recompute: bool = False, devices: int = 1,
                        workers: int = 1, packed_bytes: int = 0,
-                       packing_workspace: int = 0) -> dict:
+                       packing_workspace: int = 0, positions: int = 0) -> dict:
     """The ledger's per-phase peak bytes for one orbitrl run (``orbitrl.config.Config``) on
     one device (one rank of ``devices``), its KV pool as the engine allocated it.
 
@@ -251,11 +263,17 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     it, with ``packing_workspace`` (the largest unit's staging while it is packed): a
     rollout-phase term, and ``PACKED_RUNTIME_BYTES`` in every phase.
 
+    ``positions``: the scoring and training activations priced for micro-batches that hold
+    this many positions at once over the ``workers`` (a step's own layout, ``rl/batch.py
+    positions``) instead of every reply at the cap: the prediction at a step's shape
+    (``observe/memory.py``).
+
     Returns:
         ``{"rollout": B, "score": B, "train": B, "peak": B, "terms": {phase: {term: B}}}``.
     """
     shape = from_config(hf_config)
-    spec = RunSpec.from_config(cfg, prompt_len, devices, device, recompute, shape, workers)
+    spec = RunSpec.from_config(cfg, prompt_len, devices, device, recompute, shape, workers,
+                               positions)
     terms = phase_terms(shape, spec.strategy, spec.workload, kv_blocks=kv_blocks,
                         roles=spec.roles, with_host=True,
                         prefetch_depth=(spec.tiers or 2) if spec.pulled else 0)
@@ -317,12 +335,14 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         # pinned host memory between forward and backward; the device keeps the layer being
         # recomputed (its full set, in activations:saved) and one input in flight
         work = spec.workload
-        moved = work.act_bytes * work.micro * work.seq_len * shape.hidden * (shape.num_layers - 1)
+        moved = work.act_bytes * (work.micro_tokens or work.micro * work.seq_len) \
+            * shape.hidden * (shape.num_layers - 1)
         terms["train"]["activations:saved"] -= moved
         host["activations:offloaded"] = moved * spec.workers
     # side-by-side workers (rl/parallel.py) hold one micro-batch's activations each
     for ph, keys in (("score", ("activations:forward", "activations:logits")),
-                     ("train", ("activations:saved", "activations:logits"))):
+                     ("train", ("activations:saved", "activations:backward",
+                                "activations:logits"))):
         for k in keys:
             if k in terms[ph]:
                 terms[ph][k] *= spec.workers
@@ -340,8 +360,8 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         big = largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
         update = update_copies(opt) * big
         if shape.tie_embeddings and shape.vocab * shape.hidden >= largest_tensor_params(shape):
-            live = terms["train"].get("activations:saved", 0) + \
-                terms["train"].get("activations:logits", 0)
+            live = sum(terms["train"].get(f"activations:{k}", 0)
+                       for k in ("saved", "backward", "logits"))
             update = max(big, update - live)
         terms["train"]["actor:update_workspace"] = int(update)
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in

@@ -129,7 +129,10 @@ class MemoryProbe:
             self.method = "rss-hwm" if _reset_rss_peak() and _status_bytes("VmHWM") else \
                 "rss-cumulative"
         self.prediction: dict | None = None
+        # the ledger at a step's own shape: micro-batch positions -> {phase: bytes}
+        self.predict_at = None
         self.peaks: dict[str, int] = {}  # largest net peak per phase over the run
+        self.at_shape: dict[str, int] = {}  # largest at-shape prediction per phase
 
     def settle(self, *holders) -> int:
         """CPU: re-base on what the run holds once it is set up (see the module doc).
@@ -179,13 +182,22 @@ class MemoryProbe:
     def timer(self) -> "ProbedPhaseTimer":
         return ProbedPhaseTimer(self.device, self)
 
-    def step_metrics(self, timer: "ProbedPhaseTimer") -> dict:
-        """``mem_<phase>_predicted_bytes`` / ``mem_<phase>_measured_bytes`` of one step."""
+    def step_metrics(self, timer: "ProbedPhaseTimer", positions: int = 0) -> dict:
+        """``mem_<phase>_predicted_bytes`` / ``mem_<phase>_measured_bytes`` of one step;
+        with ``positions`` (those of the step's largest micro-batches, one per worker:
+        ``train_positions``, ``rl/score.py``) also ``mem_<phase>_predicted_at_shape_bytes``:
+        the same ledger priced at the replies this step drew instead of every reply at the
+        cap."""
         out = {}
+        at = self.predict_at(positions) if positions and self.predict_at and \
+            timer.measured else {}
         for name, b in timer.measured.items():
             out[f"mem_{name}_measured_bytes"] = b
             if self.prediction and name in self.prediction:
                 out[f"mem_{name}_predicted_bytes"] = self.prediction[name]
+            if name in at:
+                out[f"mem_{name}_predicted_at_shape_bytes"] = at[name]
+                self.at_shape[name] = max(self.at_shape.get(name, 0), at[name])
         return out
 
     def summary(self) -> dict:
@@ -201,6 +213,10 @@ class MemoryProbe:
                 out[f"measured_{ph}_bytes"] = self.peaks[ph]
         if pred.get("peak") and measured:
             out["peak_prediction_error"] = pred["peak"] / measured - 1
+        if self.at_shape and measured:  # over the steps whose phases were measured
+            at = max(self.at_shape.values())
+            out["predicted_peak_at_shape_bytes"] = at
+            out["peak_at_shape_error"] = at / measured - 1
         return out
 
 
@@ -297,15 +313,17 @@ class ProbedPhaseTimer(PhaseTimer):
 
 
 def run_prediction(cfg, model, engine, prompt_len: int, devices: int = 1,
-                   workers: int = 1) -> dict:
+                   workers: int = 1, positions: int = 0) -> dict:
     """The ledger's prediction for this run (see ``ledger.runtime.runtime_prediction``):
     the model's config.json, the KV pool as the engine allocated it, ``prompt_len`` the
     longest prompt of the task in tokens, ``devices`` the ranks the weights are sharded
-    over (the prediction is per rank), ``workers`` the micro-batches run side by side."""
+    over (the prediction is per rank), ``workers`` the micro-batches run side by side,
+    ``positions`` those of a step's micro-batches live at once (0: every reply at the cap)."""
     return runtime_prediction(cfg, model.config.hf, prompt_len,
                               kv_blocks=engine.pool.num_blocks,
                               device=torch.device(model.device).type,
                               recompute=bool(getattr(model, "recompute", False)),
                               devices=devices, workers=workers,
                               packed_bytes=engine.packed.planned_bytes,
-                              packing_workspace=engine.packed.workspace_bytes)
+                              packing_workspace=engine.packed.workspace_bytes,
+                              positions=positions)

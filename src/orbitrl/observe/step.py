@@ -20,16 +20,18 @@ def sample_metrics(samples, gen_tokens: int, seconds: dict) -> dict:
     }
 
 
-def phase_metrics(device, kv_blocks: int, seconds: dict, timer, probe) -> dict:
+def phase_metrics(device, kv_blocks: int, seconds: dict, timer, probe,
+                  positions: int = 0) -> dict:
     """Peak device memory, the KV pool's size, each phase's seconds and memory (measured
-    and predicted, ``observe/memory.py``)."""
+    and predicted, ``observe/memory.py``; ``positions``: the step's micro-batches live at
+    once, for the prediction at its shape)."""
     return {
         "kv_blocks": kv_blocks,
         "peak_memory_bytes": device_peak_bytes(device),
         **{f"time_{k}_s": v for k, v in seconds.items()},
         **{f"mem_{k}_bytes": v for k, v in timer.memory.items()},
         **{f"ops_{k}": v for k, v in (getattr(timer, "ops", None) or {}).items()},
-        **(probe.step_metrics(timer) if hasattr(timer, "measured") else {}),
+        **(probe.step_metrics(timer, positions) if hasattr(timer, "measured") else {}),
     }
 
 
@@ -108,7 +110,7 @@ class StepRow:
         row.update(sample_metrics(ro.samples, ro.gen_tokens, ro.seconds))
         row.update(ro.env)  # multi-turn: turns, tool calls, waits, swapped KV, prefill
         row.update(phase_metrics(self.device, self.engine.pool.num_blocks, seconds, timer,
-                                 self.mem))
+                                 self.mem, row.get("train_positions", 0)))
         if sc.anything:
             step_s = time.perf_counter() - t_step
             row["time_step_s"] = step_s

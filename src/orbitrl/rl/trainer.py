@@ -150,9 +150,9 @@ class RLTrainer:
         predictor = self.source.predictor(cfg, self.engine.scheduler.max_num_seqs,
                                           self.coll.world, prompt_len)
         self.report = StepRow(self.device, self.engine, self.mem, flops, predictor)
-        self.mem.prediction = run_prediction(cfg, model, self.engine, prompt_len,
-                                             devices=self.coll.world,
-                                             workers=self.workers.n)
+        self.mem.predict_at = partial(run_prediction, cfg, model, self.engine, prompt_len,
+                                      self.coll.world, self.workers.n)
+        self.mem.prediction = self.mem.predict_at(0)
         self.mem.settle(model, self.policy.reference, self.engine.cache, self.opt,
                         *((critic.module, critic.opt) if critic else ()))
 
