@@ -163,7 +163,10 @@ def check_metrics(d: Dist):
     row = {"step": 3, "reward_mean": [0.5, 1.0][d.rank], "groups_kept": [1, 3][d.rank],
            "time_train_s": [1.0, 2.0][d.rank], "mem_train_measured_bytes": [10, 20][d.rank],
            "spike_layer": "model.layers.1"}
+    if d.rank == 1:  # a key only one rank has (a rank that kept no samples logs none)
+        row["mem_train_positions"] = 128
     out = reduce_row(row, d)
+    assert out["mem_train_positions"] == 128
     assert out["step"] == 3 and out["groups_kept"] == 4 and out["time_train_s"] == 2.0
     assert abs(out["reward_mean"] - (0.5 * 1 + 1.0 * 3) / 4) < 1e-12
     assert out["mem_train_measured_bytes_by_rank"] == [10, 20]

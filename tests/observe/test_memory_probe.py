@@ -39,7 +39,7 @@ def test_memory_every_must_be_positive():
 
 def test_prediction_at_the_steps_shape_prices_its_own_micro_batches():
     """Each probed step is also priced by the ledger at the positions its micro-batches
-    hold (``train_positions``): the same terms as the a-priori prediction but the
+    hold (``mem_train_positions``): the same terms as the a-priori prediction but the
     activations, which follow the replies the step drew, below the cap's."""
     from orbitrl.ledger.runtime import runtime_prediction
 
@@ -49,12 +49,14 @@ def test_prediction_at_the_steps_shape_prices_its_own_micro_batches():
     rows = [tr.step() for _ in range(2)]
     prompt_len = tr.mem.predict_at.args[3]  # the task's longest prompt, as the run took it
     for row in rows:
-        pos = row["train_positions"]
+        pos = row["mem_train_positions"]
         assert 0 < pos <= 8 * (prompt_len + 12)  # 2 prompts x 4 samples, at most the cap
         want = runtime_prediction(cfg, tr.model.config.hf, prompt_len,
                                   kv_blocks=tr.engine.pool.num_blocks, device="cpu",
                                   workers=tr.workers.n,
                                   recompute=bool(getattr(tr.model, "recompute", False)),
+                                  packed_bytes=tr.engine.packed.planned_bytes,
+                                  packing_workspace=tr.engine.packed.workspace_bytes,
                                   positions=pos)
         for ph in ("rollout", "score", "train"):
             assert row[f"mem_{ph}_predicted_at_shape_bytes"] == want[ph]
@@ -63,6 +65,6 @@ def test_prediction_at_the_steps_shape_prices_its_own_micro_batches():
         assert row["mem_train_predicted_at_shape_bytes"] < row["mem_train_predicted_bytes"]
     s = tr.mem.summary()
     assert s["predicted_peak_at_shape_bytes"] == max(
-        r["mem_train_predicted_at_shape_bytes"] for r in rows)
+        r[f"mem_{ph}_predicted_at_shape_bytes"] for r in rows for ph in ("rollout", "score", "train"))
     assert s["peak_at_shape_error"] == pytest.approx(
         s["predicted_peak_at_shape_bytes"] / s["measured_peak_bytes"] - 1)

@@ -194,3 +194,24 @@ def test_micro_batches_count_the_padded_positions_pack_computes():
             Sample(2, [8] * 40, [6] * 16, [-1.0] * 16, "length", "")]
     assert sum(len(x.prompt_ids) + len(x.completion_ids) for x in long) == 179
     assert positions(long) == 3 * 63 and micro_batches(long, 180) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("prompt,cap,group,samples,budget", [
+    (47, 16, 8, 32, 359),    # SmolLM2's chat prompts: two shared groups of 175
+    (10, 20, 1, 5, 4096),    # unshared samples of 30 in rows of 64: padding counts
+    (5, 10, 2, 10, 4096),    # short groups sharing a row
+    (100, 30, 2, 6, 300),    # the budget cuts a group
+    (6, 8, 8, 64, 4096),     # the built-in task at its cap
+])
+def test_the_ledger_prices_the_first_micro_batch_the_trainer_cuts(prompt, cap, group, samples,
+                                                                  budget):
+    """``ledger.memory.cap_micro_positions`` (the a-priori micro-batch, every reply at the
+    cap) equals the positions ``micro_batches`` + ``pack`` give real samples of that shape."""
+    from orbitrl.ledger.memory import cap_micro_positions
+    from orbitrl.rl.batch import micro_batches
+
+    ss = [Sample(g // group, [3 + g // group] * prompt, [5] * cap, [0.0] * cap, "length", "")
+          for g in range(samples)]
+    first = micro_batches(ss, budget)[0]
+    want = pack([ss[i] for i in first], "cpu").input_ids.numel()
+    assert cap_micro_positions(prompt, cap, group, samples, budget) == want

@@ -19,6 +19,7 @@ another group (orbitrl's own quantizer defaults to ``formats.INT4_GROUP``) passe
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -132,6 +133,59 @@ def projection_params(shape: ModelShape) -> int:
 
 
 ROW_TOKENS = 64  # the trainer's shortest packed row (rl/batch.py): short samples share rows
+
+
+# ---- the trainer's packed layout on lengths (rl/batch.py lays samples out by these) --------
+def shares_prompt(prompt: int, completions: list[int], width: int) -> bool:
+    """A GRPO group laid out as one copy of its prompt followed by every completion: when
+    it fits a row of ``width``, or when its dense attention costs no more than its samples'
+    own rows ((P + sum C)^2 <= sum (P + C)^2: the prompt dominates)."""
+    shared = prompt + sum(completions)
+    return len(completions) > 1 and (
+        shared <= width or shared ** 2 <= sum((prompt + c) ** 2 for c in completions))
+
+
+def first_fit_rows(lens: list[int], width: int) -> list[tuple[int, int]]:
+    """(row, offset) of each unit: first fit, in order, into rows of ``width``."""
+    fill: list[int] = []
+    where = []
+    for n in lens:
+        r = next((r for r, f in enumerate(fill) if f + n <= width), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        where.append((r, fill[r]))
+        fill[r] += n
+    return where
+
+
+def layout_positions(units: list[tuple[int, list[int]]], row_tokens: int = ROW_TOKENS) -> int:
+    """Rows x row length the trainer computes for ``units`` (prompt length, its completions'
+    lengths): rows of at least the longest sample and ``row_tokens``, widened to the longest
+    shared unit."""
+    width = max([row_tokens] + [p + c for p, cs in units for c in cs])
+    lens = []
+    for p, cs in units:
+        lens += [p + sum(cs)] if shares_prompt(p, cs, width) else [p + c for c in cs]
+    width = max([width] + lens)
+    where = first_fit_rows(lens, width)
+    return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, lens))
+
+
+@functools.lru_cache(maxsize=64)  # a run's start-up prices the same shape several times
+def cap_micro_positions(prompt: int, cap: int, group: int, samples: int,
+                        max_tokens: int) -> int:
+    """Positions of the first micro-batch ``rl/batch.py micro_batches`` cuts from
+    ``samples`` samples of ``prompt`` + ``cap`` tokens in groups of ``group`` (one prompt
+    each, in order): as many samples as stay within ``max_tokens`` positions, at least one."""
+    def positions(k: int) -> int:
+        full, rem = divmod(k, group)
+        units = [(prompt, [cap] * group)] * full + ([(prompt, [cap] * rem)] if rem else [])
+        return layout_positions(units)
+
+    k = 1  # greedy, as micro_batches cuts (positions need not grow with k: rows repack)
+    while k < samples and positions(k + 1) <= max_tokens:
+        k += 1
+    return positions(k)
 
 
 @dataclass(frozen=True)

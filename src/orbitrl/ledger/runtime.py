@@ -20,10 +20,10 @@ from orbitrl.errors import OrbitError
 from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
 from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
-                                   activation_bytes, largest_projection_params,
+                                   activation_bytes, cap_micro_positions,
+                                   largest_projection_params,
                                    largest_tensor_params, projection_params, state_bytes)
 from orbitrl.ledger.models import ModelShape, from_config
-from orbitrl.ledger.timing import packed_tokens
 
 
 def engine_kv_dtype(kv_dtype: str) -> str | None:
@@ -97,13 +97,13 @@ class RunSpec:
                         kv_dtype=kv_dtype or compute, recompute=recompute,
                         act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64,
                         group_size=r.n)
-        # a micro-batch's positions: the step's own when given, else every reply at the cap,
-        # a GRPO group's prompt once where the trainer shares it, and the micro-batch filled
-        # to mb_tokens positions (rl/batch.py micro_batches; a longer sample goes alone)
-        per_worker = math.ceil(samples / max(1, workers))
-        work = dataclasses.replace(work, micro_tokens=math.ceil(
-            positions / max(1, workers)) if positions else min(
-            max(mb_tokens, seq_len), packed_tokens(work, (r.max_tokens,) * per_worker)))
+        # a micro-batch's positions: the step's own when given, else every reply at the cap
+        # laid out as the trainer lays it (a GRPO group's prompt once where it shares it, rows
+        # padded, the micro-batch filled to mb_tokens positions: rl/batch.py micro_batches)
+        micro_tokens = math.ceil(positions / max(1, workers)) if positions else \
+            cap_micro_positions(prompt_len, r.max_tokens, r.n,
+                                math.ceil(samples / max(1, workers)), mb_tokens)
+        work = dataclasses.replace(work, micro_tokens=micro_tokens)
         tiers = t.tiers if n == 1 and t.mode == "full" else 0
         pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
         roles = RoleOptions(reference="host" if t.mode == "full" and reference_needed(cfg)
@@ -214,9 +214,7 @@ def resolve_recompute(cfg, hf_config: dict, prompt_len: int, device: str = "cpu"
     shape = from_config(hf_config)
     spec = RunSpec.from_config(cfg, prompt_len, devices, device, False, shape)
     work = spec.workload
-    tokens = min(spec.micro_batch_tokens,
-                 work.samples_per_step * (work.prompt_len + work.completion_len))
-    saved = activation_bytes(shape, tokens, False, 1, int(PARAM_BYTES[spec.compute]),
+    saved = activation_bytes(shape, work.micro_tokens, False, 1, int(PARAM_BYTES[spec.compute]),
                              fp64_attention=work.fp64_attention)
     weights = shape.total_params * spec.strategy.bytes_per_param() / spec.devices
     return saved > max(int(weights), ACTIVATION_FLOOR)

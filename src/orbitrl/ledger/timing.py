@@ -22,7 +22,7 @@ from orbitrl.ledger.bandwidth import (Links, allreduce_bytes, hide_behind, ring_
                                       sync_transfer, train_compute_seconds, transfer)
 from orbitrl.ledger.dispatch import rollout_ops, score_ops, train_ops, train_ops_outside_layers
 from orbitrl.ledger.memory import (PARAM_BYTES, ROW_TOKENS, Strategy, Workload, kv_cache_bytes,
-                                   state_bytes)
+                                   shares_prompt, state_bytes)
 from orbitrl.ledger.models import ModelShape
 from orbitrl.ledger.schedule import LengthDist, StepWork, balance_ratio, compare
 
@@ -50,9 +50,7 @@ def packed_tokens(work: Workload, lengths: tuple[int, ...]) -> int:
     total = 0
     for i in range(0, len(lengths), g):
         grp = lengths[i:i + g]
-        shared = P + sum(grp)
-        fits = shared <= width or shared ** 2 <= sum((P + x) ** 2 for x in grp)
-        total += shared if len(grp) > 1 and fits else sum(P + x for x in grp)
+        total += P + sum(grp) if shares_prompt(P, list(grp), width) else sum(P + x for x in grp)
     return total
 
 

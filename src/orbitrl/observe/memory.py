@@ -184,8 +184,8 @@ class MemoryProbe:
 
     def step_metrics(self, timer: "ProbedPhaseTimer", positions: int = 0) -> dict:
         """``mem_<phase>_predicted_bytes`` / ``mem_<phase>_measured_bytes`` of one step;
-        with ``positions`` (those of the step's largest micro-batches, one per worker:
-        ``train_positions``, ``rl/score.py``) also ``mem_<phase>_predicted_at_shape_bytes``:
+        with ``positions`` (the most a step's micro-batches hold at once over the workers:
+        ``mem_train_positions``, ``rl/score.py``) also ``mem_<phase>_predicted_at_shape_bytes``:
         the same ledger priced at the replies this step drew instead of every reply at the
         cap."""
         out = {}

@@ -110,7 +110,7 @@ class StepRow:
         row.update(sample_metrics(ro.samples, ro.gen_tokens, ro.seconds))
         row.update(ro.env)  # multi-turn: turns, tool calls, waits, swapped KV, prefill
         row.update(phase_metrics(self.device, self.engine.pool.num_blocks, seconds, timer,
-                                 self.mem, row.get("train_positions", 0)))
+                                 self.mem, row.get("mem_train_positions", 0)))
         if sc.anything:
             step_s = time.perf_counter() - t_step
             row["time_step_s"] = step_s

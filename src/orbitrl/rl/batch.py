@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from orbitrl.ledger.memory import ROW_TOKENS as LEDGER_ROW_TOKENS
+from orbitrl.ledger.memory import first_fit_rows, shares_prompt
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.moe import replay_routing
 from orbitrl.rl.types import Sample
@@ -65,19 +66,6 @@ class PackedBatch:
         return out.index_put((self.dst,), flat).view(self.mask.shape)
 
 
-def _rows(lens: list[int], width: int) -> list[tuple[int, int]]:
-    """(row, offset) of each sequence: first fit, in order, into rows of ``width``."""
-    fill: list[int] = []
-    where = []
-    for n in lens:
-        r = next((r for r, f in enumerate(fill) if f + n <= width), len(fill))
-        if r == len(fill):
-            fill.append(0)
-        where.append((r, fill[r]))
-        fill[r] += n
-    return where
-
-
 def _units(samples: list[Sample], width: int, share: bool) -> list[list[int]]:
     """Samples grouped into layout units, in order of their first sample. A unit of several
     samples (a GRPO group: same group, same prompt) is laid out as one copy of the prompt
@@ -94,9 +82,7 @@ def _units(samples: list[Sample], width: int, share: bool) -> list[list[int]]:
     units = []
     for members in by_prompt.values():
         P = len(samples[members[0]].prompt_ids)
-        cs = [len(samples[b].completion_ids) for b in members]
-        shared = P + sum(cs)
-        if len(members) > 1 and (shared <= width or shared ** 2 <= sum((P + c) ** 2 for c in cs)):
+        if shares_prompt(P, [len(samples[b].completion_ids) for b in members], width):
             units.append(members)
         else:
             units += [[b] for b in members]
@@ -126,7 +112,7 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
     B = len(samples)
     T = max(len(s.completion_ids) for s in samples)
     units, ulens, width = _layout(samples, row_tokens, share_prompts)
-    where = _rows(ulens, width)
+    where = first_fit_rows(ulens, width)
     R = 1 + max(r for r, _ in where)
     L = max(o + n for (_, o), n in zip(where, ulens))
     ids, pos, sid, par = [0] * (R * L), [0] * (R * L), [-1] * (R * L), [-1] * (R * L)
@@ -186,7 +172,7 @@ def positions(samples: list[Sample], row_tokens: int = ROW_TOKENS,
               share_prompts: bool = True) -> int:
     """Rows x row length of ``pack(samples)``: the positions its forward computes."""
     units, ulens, width = _layout(samples, row_tokens, share_prompts)
-    where = _rows(ulens, width)
+    where = first_fit_rows(ulens, width)
     return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, ulens))
 
 

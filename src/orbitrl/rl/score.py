@@ -238,10 +238,10 @@ class Scorer:
         old, old_v, ref = self._passes(parts, need_ref, reuse)
         # (when reused, the update's policy loss reports the mismatch from its old logprobs)
         metrics = {} if reuse else mismatch(old, parts)
-        # the positions live at once (the largest micro-batch of each worker): the memory
-        # ledger's shape for this step (observe/memory.py, the prediction at the step's shape)
-        sizes = sorted((p.input_ids.numel() for p in parts), reverse=True)
-        metrics["train_positions"] = sum(sizes[:self.workers.n])
+        # the most positions live at once (the workers take the micro-batches n at a time, in
+        # order): the ledger's shape for this step (observe/memory.py, at the step's shape)
+        sizes, n = [p.input_ids.numel() for p in parts], self.workers.n
+        metrics["mem_train_positions"] = max(sum(sizes[i:i + n]) for i in range(0, len(sizes), n))
         # mixtures: the gap routing replay removes, measured without it every N steps
         metrics.update(replay_check(self.model, parts, self.T, version,
                                     self.replay_check_every))
