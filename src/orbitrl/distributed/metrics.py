@@ -36,20 +36,19 @@ def reduce_row(row: dict, dist: Dist) -> dict:
     out = dict(rows[0])
     for k in set().union(*rows):
         vals = [r.get(k) for r in rows]
-        peak = k.endswith("_max") or k.startswith(("time_", "mem_", "peak_"))
-        if peak and any(v is None for v in vals) and all(_is_num(v) for v in vals if v is not None) \
-                and any(v is not None for v in vals):
-            out[k] = max(v for v in vals if v is not None)  # (a rank that had none of it)
+        present = [v for v in vals if v is not None]  # (a rank may have none of it)
+        if not present or not all(_is_num(v) for v in present):
+            out[k] = present[0] if present else None
             continue
-        if not all(_is_num(v) for v in vals):
-            out[k] = next((v for v in vals if v is not None), None)
-            continue
-        if k in SUM_KEYS:
-            out[k] = sum(vals)
-        elif peak:
-            out[k] = max(vals)
-            if k.startswith(("mem_", "peak_")):
+        if k.endswith("_max") or k.startswith(("time_", "mem_", "peak_")):
+            out[k] = max(present)
+            if k.startswith(("mem_", "peak_")) and len(present) == len(vals):
                 out[f"{k}_by_rank"] = vals
+        elif len(present) < len(vals):
+            out[k] = present[0]
+            continue
+        elif k in SUM_KEYS:
+            out[k] = sum(vals)
         else:
             pairs = [(v, w) for v, w in zip(vals, weights) if w > 0 and math.isfinite(v)]
             if not pairs:

@@ -148,7 +148,7 @@ def phase_terms(shape: ModelShape, strategy: Strategy, work: Workload, devices: 
         phases["rollout"]["comm_buffers:gather"] = int((prefetch_depth + 1) * layer_w / tp)
 
     # score and train: activations of one micro batch
-    tokens = work.micro_tokens or work.micro * work.seq_len
+    tokens = work.micro_positions
     phases["score"]["activations:forward"] = forward_bytes(shape, tokens, tp, work.act_bytes)
     phases["score"]["activations:logits"] = logits_bytes(shape, tokens, work.logit_chunk, False)
     phases["train"]["activations:saved"] = activation_bytes(shape, tokens, work.recompute, tp,

@@ -139,14 +139,32 @@ ROW_TOKENS = 64  # the trainer's shortest packed row (rl/batch.py): short sample
 def shares_prompt(prompt: int, completions: list[int], width: int) -> bool:
     """A GRPO group laid out as one copy of its prompt followed by every completion: when
     it fits a row of ``width``, or when its dense attention costs no more than its samples'
-    own rows ((P + sum C)^2 <= sum (P + C)^2: the prompt dominates)."""
+    own rows ((P + sum C)^2 <= sum (P + C)^2: the prompt dominates, as a chat template's
+    system turn makes it). SmolLM2's 47-token chat prompts with 8 completions of 16: 175
+    positions per group instead of 8 x 63 = 504, attention 30.6k score pairs per head
+    instead of 31.8k."""
     shared = prompt + sum(completions)
     return len(completions) > 1 and (
         shared <= width or shared ** 2 <= sum((prompt + c) ** 2 for c in completions))
 
 
-def first_fit_rows(lens: list[int], width: int) -> list[tuple[int, int]]:
-    """(row, offset) of each unit: first fit, in order, into rows of ``width``."""
+def unit_layout(groups: list[tuple[int, list[int]]], row_tokens: int = ROW_TOKENS
+                ) -> tuple[list[bool], list[int], int]:
+    """For ``groups`` (a prompt's length, its completions' lengths), in order: whether each
+    is one unit with one copy of its prompt (:func:`shares_prompt`), the units' lengths in
+    layout order (a shared group one unit, every other sample its own), and the row width:
+    at least the longest sample and ``row_tokens``, widened to the longest unit."""
+    width = max([row_tokens] + [p + c for p, cs in groups for c in cs])
+    shared = [shares_prompt(p, cs, width) for p, cs in groups]
+    lens: list[int] = []
+    for (p, cs), sh in zip(groups, shared):
+        lens += [p + sum(cs)] if sh else [p + c for c in cs]
+    return shared, lens, max([width] + lens)
+
+
+def first_fit_rows(lens: list[int], width: int) -> tuple[list[tuple[int, int]], int, int]:
+    """(row, offset) of each unit, first fit, in order, into rows of ``width``; and the rows
+    and the row length (the fullest row's fill) the layout takes."""
     fill: list[int] = []
     where = []
     for n in lens:
@@ -155,20 +173,14 @@ def first_fit_rows(lens: list[int], width: int) -> list[tuple[int, int]]:
             fill.append(0)
         where.append((r, fill[r]))
         fill[r] += n
-    return where
+    return where, len(fill), max(fill)
 
 
-def layout_positions(units: list[tuple[int, list[int]]], row_tokens: int = ROW_TOKENS) -> int:
-    """Rows x row length the trainer computes for ``units`` (prompt length, its completions'
-    lengths): rows of at least the longest sample and ``row_tokens``, widened to the longest
-    shared unit."""
-    width = max([row_tokens] + [p + c for p, cs in units for c in cs])
-    lens = []
-    for p, cs in units:
-        lens += [p + sum(cs)] if shares_prompt(p, cs, width) else [p + c for c in cs]
-    width = max([width] + lens)
-    where = first_fit_rows(lens, width)
-    return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, lens))
+def layout_positions(groups: list[tuple[int, list[int]]], row_tokens: int = ROW_TOKENS) -> int:
+    """Rows x row length the trainer computes for ``groups`` (see :func:`unit_layout`)."""
+    _, lens, width = unit_layout(groups, row_tokens)
+    _, rows, length = first_fit_rows(lens, width)
+    return rows * length
 
 
 @functools.lru_cache(maxsize=64)  # a run's start-up prices the same shape several times
@@ -240,6 +252,11 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.completion_len
+
+    @property
+    def micro_positions(self) -> int:
+        """Positions of one micro-batch: ``micro_tokens``, else ``micro * seq_len``."""
+        return self.micro_tokens or self.micro * self.seq_len
 
     @property
     def micro(self) -> int:

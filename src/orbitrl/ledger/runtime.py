@@ -12,7 +12,6 @@ per-rank layout).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -89,21 +88,19 @@ class RunSpec:
         fp64 = fp64_attention(cfg, device)
         mb_tokens = t.micro_batch_tokens or auto_micro_batch_tokens(
             shape, strat, compute, recompute, fp64, workers, n)
-        work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
-                        # rl/parallel.py split_parts: at least one micro-batch per worker
-                        micro_batch=max(1, min(math.ceil(samples / max(1, workers)),
-                                               mb_tokens // seq_len)),
-                        samples_per_step=samples, block_size=r.block_size,
-                        kv_dtype=kv_dtype or compute, recompute=recompute,
-                        act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64,
-                        group_size=r.n)
+        per_worker = math.ceil(samples / max(1, workers))
         # a micro-batch's positions: the step's own when given, else every reply at the cap
         # laid out as the trainer lays it (a GRPO group's prompt once where it shares it, rows
         # padded, the micro-batch filled to mb_tokens positions: rl/batch.py micro_batches)
         micro_tokens = math.ceil(positions / max(1, workers)) if positions else \
-            cap_micro_positions(prompt_len, r.max_tokens, r.n,
-                                math.ceil(samples / max(1, workers)), mb_tokens)
-        work = dataclasses.replace(work, micro_tokens=micro_tokens)
+            cap_micro_positions(prompt_len, r.max_tokens, r.n, per_worker, mb_tokens)
+        work = Workload(prompt_len=prompt_len, completion_len=r.max_tokens,
+                        # rl/parallel.py split_parts: at least one micro-batch per worker
+                        micro_batch=max(1, min(per_worker, mb_tokens // seq_len)),
+                        samples_per_step=samples, block_size=r.block_size,
+                        kv_dtype=kv_dtype or compute, recompute=recompute,
+                        act_bytes=int(PARAM_BYTES[compute]), fp64_attention=fp64,
+                        group_size=r.n, micro_tokens=micro_tokens)
         tiers = t.tiers if n == 1 and t.mode == "full" else 0
         pulled = t.mode == "full" and n == 1 and (device == "cuda" or tiers > 0)
         roles = RoleOptions(reference="host" if t.mode == "full" and reference_needed(cfg)
@@ -333,8 +330,7 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         # pinned host memory between forward and backward; the device keeps the layer being
         # recomputed (its full set, in activations:saved) and one input in flight
         work = spec.workload
-        moved = work.act_bytes * (work.micro_tokens or work.micro * work.seq_len) \
-            * shape.hidden * (shape.num_layers - 1)
+        moved = work.act_bytes * work.micro_positions * shape.hidden * (shape.num_layers - 1)
         terms["train"]["activations:saved"] -= moved
         host["activations:offloaded"] = moved * spec.workers
     # side-by-side workers (rl/parallel.py) hold one micro-batch's activations each

@@ -42,7 +42,7 @@ def _lengths(work: Workload, options) -> tuple[int, ...]:
 
 def packed_tokens(work: Workload, lengths: tuple[int, ...]) -> int:
     """Positions the trainer computes for these completions: a group of ``group_size``
-    samples holds one copy of its prompt where rl/batch.py ``_units`` lays it out so (its
+    samples holds one copy of its prompt where ``shares_prompt`` lays it out so (its
     prompt and completions fit one row of ``max(longest sample, ROW_TOKENS)``, or its
     attention costs no more than its samples' own rows); other samples their own."""
     P, g = work.prompt_len, max(1, work.group_size)

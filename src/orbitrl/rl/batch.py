@@ -9,7 +9,7 @@ of L cost N * L; padding costs a few tokens per row. At the built-in task's 64 s
 about 16 tokens, one row computed a million masked score pairs per head for 16 thousand
 useful ones, more than every projection of the forward together.
 
-The samples of one prompt share one copy of it (``_units``): a GRPO group of n samples is
+The samples of one prompt share one copy of it (``_layout``): a GRPO group of n samples is
 laid out as [prompt][completion 1]...[completion n], each completion attending to the
 prompt and to itself. At the built-in task's 8 x 8 samples this lays out about half the
 tokens of one prompt copy per sample, and the forward and backward cost follows; a group
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from orbitrl.ledger.memory import ROW_TOKENS as LEDGER_ROW_TOKENS
-from orbitrl.ledger.memory import first_fit_rows, shares_prompt
+from orbitrl.ledger.memory import first_fit_rows, unit_layout
 from orbitrl.model.decoder import Decoder
 from orbitrl.model.moe import replay_routing
 from orbitrl.rl.types import Sample
@@ -66,38 +66,24 @@ class PackedBatch:
         return out.index_put((self.dst,), flat).view(self.mask.shape)
 
 
-def _units(samples: list[Sample], width: int, share: bool) -> list[list[int]]:
-    """Samples grouped into layout units, in order of their first sample. A unit of several
-    samples (a GRPO group: same group, same prompt) is laid out as one copy of the prompt
-    followed by every completion; it is formed when it fits a row of ``width``, or when its
-    dense attention costs no more than its samples' own rows would ((P + sum C)^2 <= sum
-    (P + C)^2: the prompt dominates, as a chat template's system turn makes it), in which
-    case the row widens to hold it (``_layout``). SmolLM2's 47-token chat prompts with 8
-    completions of 16: 175 positions per group instead of 8 x 63 = 504, attention 30.6k
-    score pairs per head instead of 31.8k."""
+def _layout(samples: list[Sample], row_tokens: int, share: bool
+            ) -> tuple[list[list[int]], list[int], int]:
+    """(units, their lengths, the row width): the samples of one prompt (same group, same
+    prompt; each sample alone without ``share``) form one unit laid out as one copy of the
+    prompt followed by every completion where ``ledger.memory.unit_layout`` shares it (the
+    row widening to hold it), else each sample is its own unit; in order of first sample."""
     by_prompt: dict[tuple, list[int]] = {}
     for b, s in enumerate(samples):
         key = (s.group, tuple(s.prompt_ids)) if share else (b,)
         by_prompt.setdefault(key, []).append(b)
+    groups = list(by_prompt.values())
+    shared, ulens, width = unit_layout(
+        [(len(samples[g[0]].prompt_ids), [len(samples[b].completion_ids) for b in g])
+         for g in groups], row_tokens)
     units = []
-    for members in by_prompt.values():
-        P = len(samples[members[0]].prompt_ids)
-        if shares_prompt(P, [len(samples[b].completion_ids) for b in members], width):
-            units.append(members)
-        else:
-            units += [[b] for b in members]
-    return units
-
-
-def _layout(samples: list[Sample], row_tokens: int, share: bool
-            ) -> tuple[list[list[int]], list[int], int]:
-    """(units, their lengths, the row width): rows of at least the longest sample and
-    ``row_tokens``, widened to the longest shared unit."""
-    width = max(max(len(s.prompt_ids) + len(s.completion_ids) for s in samples), row_tokens)
-    units = _units(samples, width, share)
-    ulens = [len(samples[u[0]].prompt_ids) + sum(len(samples[b].completion_ids) for b in u)
-             for u in units]
-    return units, ulens, max([width] + ulens)
+    for g, sh in zip(groups, shared):
+        units += [g] if sh else [[b] for b in g]
+    return units, ulens, width
 
 
 def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
@@ -105,16 +91,14 @@ def pack(samples: list[Sample], device, row_tokens: int = ROW_TOKENS,
     """Samples -> rows of at most max(longest sample, ``row_tokens``, longest shared prompt
     unit) tokens, built on the
     host and moved to ``device`` in one copy per tensor. With ``share_prompts`` the samples
-    of one prompt are laid out after a single copy of it (see ``_units``): the prompt's
+    of one prompt are laid out after a single copy of it (see ``_layout``): the prompt's
     tokens are computed once for the group, and each completion attends to that copy as its
     prefix (``parent_ids``), with positions continuing from it. The log-probabilities are
     the same as with one copy per sample, up to float rounding."""
     B = len(samples)
     T = max(len(s.completion_ids) for s in samples)
     units, ulens, width = _layout(samples, row_tokens, share_prompts)
-    where = first_fit_rows(ulens, width)
-    R = 1 + max(r for r, _ in where)
-    L = max(o + n for (_, o), n in zip(where, ulens))
+    where, R, L = first_fit_rows(ulens, width)
     ids, pos, sid, par = [0] * (R * L), [0] * (R * L), [-1] * (R * L), [-1] * (R * L)
     src, tgt, dst, rlp, msk = [], [], [], [], []
 
@@ -171,9 +155,9 @@ def micro_batches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
 def positions(samples: list[Sample], row_tokens: int = ROW_TOKENS,
               share_prompts: bool = True) -> int:
     """Rows x row length of ``pack(samples)``: the positions its forward computes."""
-    units, ulens, width = _layout(samples, row_tokens, share_prompts)
-    where = first_fit_rows(ulens, width)
-    return (1 + max(r for r, _ in where)) * max(o + n for (_, o), n in zip(where, ulens))
+    _, ulens, width = _layout(samples, row_tokens, share_prompts)
+    _, rows, length = first_fit_rows(ulens, width)
+    return rows * length
 
 
 def score(model: Decoder, batch: PackedBatch, temperature: float = 1.0,

@@ -88,7 +88,7 @@ def resolve_base(cfg: Config, device, prompt_len: int, distributed: bool):
     (every rank must choose alike, whatever its own free memory)."""
     if cfg.model.base_dtype != "auto":
         return
-    if not native(resolve_model_path(cfg.model.path, cfg.model.revision)):
+    if not is_native(resolve_model_path(cfg.model.path, cfg.model.revision)):
         cfg.model.base_dtype = "fp32" if cfg.model.dtype == "fp32" else "bf16"
         return
     if distributed:
@@ -110,7 +110,7 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     # auto: the trainer resolved it for its prompts (resolve_base); any other caller (a
     # rollout rank) gets what every rank of a torchrun run gets
     resolve_base(cfg, device, 0, distributed=True)
-    if not native(path):
+    if not is_native(path):
         return fallback_policy(cfg, path, dtype, device, reference, tokenizer)
     if cfg.train.mode == "adapter":
         model = load_base(path, BASE_FORMATS[cfg.model.base_dtype], dtype, device)
@@ -149,16 +149,13 @@ def build_policy(cfg: Config, device, reference: bool = True, tokenizer=None) ->
     return Policy(model, tok, path, trainable, reference, residency, ref_residency)
 
 
-native = is_native  # (rl's name for it: the commands and tests import it from here)
-
-
 def load_checked(path: Path, fmt: str, adapter: str | None, purpose: str):
     """A model directory (resolved) with fp32 compute, its frozen base stored in ``fmt``
     (fp32 | bf16 | int8 | nf4) and the adapters at ``adapter`` loaded, as the commands that
     read a model (eval, check-alignment) load it; a model without native code runs through
     transformers over its fp32 weights only (another ``fmt``: one line saying it is
     ``purpose`` over those only)."""
-    if not native(path):  # a causal LM without native code: through transformers
+    if not is_native(path):  # a causal LM without native code: through transformers
         if fmt != "fp32":
             raise OrbitError(f"--base-dtype {fmt}: {path / 'config.json'} has no native code; "
                              f"it is {purpose} over its fp32 weights only (docs/models.md)")
