@@ -110,20 +110,25 @@ def _clean(v):
 
 
 class MetricsWriter:
-    """Appends rows to ``metrics.jsonl``; each row is flushed and fsynced so a killed run
-    keeps every step it logged."""
+    """Appends rows to ``metrics.jsonl``; each row is fsynced so a killed run keeps every
+    step it logged, and goes out in one ``write`` of the whole line: a text file object
+    cut rows longer than its buffer into several, and a reader following the file (a
+    dashboard, ``tail -f``, a test) could read half a row."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fh = self.path.open("a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, row: dict):
-        self._fh.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
+        while data:  # (one write for a regular file; a short one continues)
+            data = data[os.write(self._fd, data):]
+        os.fsync(self._fd)
 
     def close(self):
-        self._fh.close()
+        if self._fd >= 0:  # (closing twice is harmless, as for a file object)
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_metrics(path: Path) -> list[dict]:
