@@ -9,6 +9,7 @@ Expected errors (:class:`OrbitError`) print one line and exit 2, without a trace
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 import traceback
@@ -68,6 +69,10 @@ def entry():
     dist_env = _rank_env()
     if dist_env is not None:
         dist_env.exit_now(code)
+    # the interpreter's last collections at exit walk every object torch and the command
+    # left (0.4-0.5 s measured after `import torch` alone); frozen, they are skipped and
+    # everything is still finalised as usual
+    gc.freeze()
     sys.exit(code)
 
 

@@ -107,9 +107,16 @@ def test_stop_strings(model_dir):
     assert s.token_ids == full.token_ids[:cut + len(stop)]
 
 
-def test_cli_packed_budget(model_dir, tmp_path, capsys):
+def test_cli_packed_budget(model_dir, tmp_path, capsys, monkeypatch):
     """--packed-mb 0 (MKL's GEMMs) writes the same greedy rows as the default (oneDNN over
-    packed copies); a negative budget is a one-line error."""
+    packed copies); a negative budget is a one-line error. The head is re-laid out
+    column-major (for MKL) only when it is not packed."""
+    from orbitrl.model import hf_fallback
+
+    loaded = []
+    load = hf_fallback.load_any_model
+    monkeypatch.setattr(hf_fallback, "load_any_model",
+                        lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     inp = tmp_path / "in.jsonl"
     _write(inp, [{"prompt": "hello"}, {"prompt": "12+30="}])
     outs = []
@@ -120,6 +127,7 @@ def test_cli_packed_budget(model_dir, tmp_path, capsys):
                      "--packed-mb", mb]) == 0
         outs.append([json.loads(x)["completion_ids"] for x in out.read_text().splitlines()])
     assert outs[0] == outs[1]
+    assert [m.lm_head.weight.is_contiguous() for m in loaded] == [True, False]
     capsys.readouterr()
     assert main(["generate", "--model", str(model_dir), "--prompts", str(inp), "--out",
                  str(tmp_path / "bad.jsonl"), "--packed-mb", "-1"]) == 2

@@ -67,6 +67,29 @@ def test_chat_template_encodes_a_user_turn(models):
     assert text.endswith(f"<|im_start|>user\n{PROMPTS[0]}<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_tokenizer_read_without_transformers_gives_its_answers(models, real_dir):
+    """SmolLM2's tokenizer is a generic fast one: orbitrl reads its files itself
+    (``FileTokenizer``) and must encode, decode and template as transformers does."""
+    from transformers import AutoTokenizer
+
+    from orbitrl.model.file_tokenizer import FileTokenizer
+
+    _, _, tok = models
+    ref = AutoTokenizer.from_pretrained(real_dir)
+    assert isinstance(tok, FileTokenizer)
+    texts = PROMPTS + ["héllo  wörld\n\t日本 🙂 <|im_end|>", " 12 + 34 = 46. ", ""]
+    for text in texts:
+        ids = ref(text, add_special_tokens=False)["input_ids"]
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids
+        assert tok.decode(ids + [ref.eos_token_id], skip_special_tokens=True) == \
+            ref.decode(ids + [ref.eos_token_id], skip_special_tokens=True)
+        for system in ("", "Be brief."):
+            assert encode_prompt(tok, text, chat_template=True, system=system) == \
+                encode_prompt(ref, text, chat_template=True, system=system)
+    assert (len(tok), tok.eos_token_id, tok.pad_token_id) == \
+        (len(ref), ref.eos_token_id, ref.pad_token_id)
+
+
 def test_logits_match_transformers(models):
     ref, ours, tok = models
     ids = torch.tensor([encode_prompt(tok, PROMPTS[0], chat_template=True)])

@@ -110,7 +110,9 @@ def run(args) -> int:
     src = Path(args.prompts)
     if not src.is_file():
         raise OrbitError(f"{src}: no such file")
-    model = load_any_model(args.model, args.dtype)
+    # the head re-laid out column-major only if the engine does not pack it (packed, its
+    # GEMMs run over a copy made from the row-major weight): below, once that is known
+    model = load_any_model(args.model, args.dtype, column_major_head=False)
     tok = orbitrl.load_tokenizer(args.model, vocab_size=model.config.vocab_size)
     failed, reqs, lines = 0, [], []
     for i, (no, row, err) in enumerate(_read_rows(src)):
@@ -137,6 +139,9 @@ def run(args) -> int:
                   else args.kv_budget_mb << 20)
         engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
                         packed_bytes=packed_bytes(args))
+        if model.lm_head is not None and \
+                not any(model.lm_head in unit for unit in engine.packed.units):
+            model.head_column_major()  # what load_model does by default
 
     t0 = time.perf_counter()
     outs = engine.generate(reqs, progress=not args.no_progress)

@@ -244,11 +244,13 @@ def _check_head(model: HFDecoder, source) -> None:
                          "cap): the transformers fallback does not support it")
 
 
-def load_any_model(path: str | Path, dtype: str = "float32", device="cpu"):
+def load_any_model(path: str | Path, dtype: str = "float32", device="cpu",
+                   column_major_head: bool = True):
     """The model at ``path`` (a directory or ``builtin:NAME``): orbitrl's own decoder where
     its family is native, else (a causal LM transformers knows) the transformers-backed
-    :class:`HFDecoder`; anything else stops with ModelConfig's one line."""
+    :class:`HFDecoder`; anything else stops with ModelConfig's one line.
+    ``column_major_head``: see :func:`orbitrl.model.weights.load_model`."""
     path = resolve_model_path(path)
     if not is_native(path):
         return load_hf_model(path, dtype, device)
-    return load_model(path, dtype=dtype, device=device)
+    return load_model(path, dtype=dtype, device=device, column_major_head=column_major_head)

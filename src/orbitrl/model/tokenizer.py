@@ -1,4 +1,6 @@
-"""Tokenizer and chat template through transformers' AutoTokenizer (local files only)."""
+"""Tokenizer and chat template: a generic fast tokenizer's files read directly
+(``file_tokenizer.FileTokenizer``), anything else through transformers' AutoTokenizer
+(local files only)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from orbitrl.errors import OrbitError, first_line
+from orbitrl.model.file_tokenizer import FileTokenizer, qualifies
 
 
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
@@ -31,10 +34,10 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
         path: model directory holding tokenizer files.
         vocab_size: rows of the model's embedding; a tokenizer with more tokens is an error.
     """
-    from transformers import AutoTokenizer  # start-up: transformers takes seconds
-
     try:
-        if _generic_class(Path(path)):
+        if _generic_class(Path(path)) and qualifies(Path(path), GENERIC_CLASSES):
+            tok = FileTokenizer(path)  # the same files without importing transformers
+        elif _generic_class(Path(path)):
             # transformers 5 swaps a generic fast tokenizer for the model type's own class
             # (Qwen2Tokenizer for a qwen2 config), which rebuilds a byte-level BPE from the
             # vocabulary and drops every character outside it: tokenizer.json as written
@@ -42,6 +45,8 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
 
             tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
         else:
+            from transformers import AutoTokenizer  # start-up: transformers takes seconds
+
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory
         raise OrbitError(f"{path}: cannot load a tokenizer ({first_line(e)})") from None

@@ -274,7 +274,8 @@ def empty_modules():
 
 def load_model(path: str | Path, dtype="float32", device="cpu",
                on_tensor: Optional[Callable] = None, base_format: Optional[str] = None,
-               group_size: Optional[int] = None, extra: Optional[dict] = None) -> Decoder:
+               group_size: Optional[int] = None, extra: Optional[dict] = None,
+               column_major_head: bool = True) -> Decoder:
     """Load an HF model directory (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM3, OLMo 2/3,
     Gemma 2/3 text, Phi-3/4; Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3) into our
     decoder.
@@ -294,6 +295,11 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
             ``lm_head`` (a sequence classifier's ``score.weight``) as stored, instead of
             refusing them; a checkpoint without ``lm_head.weight`` (untied) then loads as
             a backbone: ``lm_head`` is None (hidden states only, no logits).
+        column_major_head: lay an fp32 CPU head out column-major
+            (:meth:`Decoder.head_column_major`); False for a caller whose every head GEMM
+            runs over a packed copy (``orbitrl generate``), which is made from the
+            row-major weight (re-laying it out cost 0.1 s of SmolLM2's start, and packing
+            a column-major head another staging copy).
     Returns:
         The model in eval mode.
     """
@@ -363,7 +369,7 @@ def load_model(path: str | Path, dtype="float32", device="cpu",
         model.lm_head = None
     if base_format is not None:
         quant.finish_frozen(model, path)
-    if model.lm_head is not None:
+    if model.lm_head is not None and column_major_head:
         model.head_column_major()
     if cfg.moe is not None:  # few rows per expert per call: see moe.pack_experts
 
