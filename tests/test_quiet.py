@@ -22,6 +22,19 @@ def test_train_prints_no_third_party_lines(tmp_path):
     assert [ln for ln in res.stderr.splitlines() if ln.strip()] == []
 
 
+def test_generate_prints_its_summary_only(tmp_path):
+    """(The CLI freezes the collector before exit; with triton loaded it must not, or
+    triton's bindings list every object alive at exit as a leak.)"""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "12+34="}\n')
+    cmd = [sys.executable, "-m", "orbitrl", "generate", "--model", "builtin:tiny-arith",
+           "--prompts", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out.jsonl"),
+           "--n", "2", "--max-tokens", "4", "--chat-template", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("generated "), lines[:5]
+
+
 def test_only_the_known_messages_are_dropped():
     class Keep(logging.Handler):  # on the loggers themselves: torch's do not propagate
         def __init__(self):

@@ -31,7 +31,8 @@ from orbitrl.errors import OrbitError
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument("--model", required=True,
+                        help="HF model directory, builtin:NAME or a cached Hub id")
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--out", required=True, help="output JSONL")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
@@ -106,14 +107,16 @@ def run(args) -> int:
     from orbitrl.model.hf_fallback import HFDecoder, load_any_model  # start-up: kept off --help
     from orbitrl.ledger.runtime import engine_kv_dtype  # start-up: kept off --help
     from orbitrl.model.tokenizer import encode_prompt  # start-up: kept off --help
+    from orbitrl.model.builtin import resolve_model_path  # start-up: kept off --help
 
     src = Path(args.prompts)
     if not src.is_file():
         raise OrbitError(f"{src}: no such file")
     # the head re-laid out column-major only if the engine does not pack it (packed, its
     # GEMMs run over a copy made from the row-major weight): below, once that is known
-    model = load_any_model(args.model, args.dtype, column_major_head=False)
-    tok = orbitrl.load_tokenizer(args.model, vocab_size=model.config.vocab_size)
+    path = resolve_model_path(args.model)  # builtin:NAME and Hub ids for the tokenizer too
+    model = load_any_model(path, args.dtype, column_major_head=False)
+    tok = orbitrl.load_tokenizer(path, vocab_size=model.config.vocab_size)
     failed, reqs, lines = 0, [], []
     for i, (no, row, err) in enumerate(_read_rows(src)):
         if err is None:
