@@ -150,3 +150,11 @@ def test_loading_the_builtin_tokenizer_does_not_import_transformers():
                           str(resolve_model_path("builtin:tiny-arith"))],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["FileTokenizer", "False"]
+
+
+def test_positional_options_go_to_transformers(pair):
+    """transformers' second positional argument is a text pair (and, for the chat
+    template, tools then documents): never mistaken for a flag here."""
+    tok, ref = pair
+    assert tok("12", "34")["input_ids"] == ref("12", "34")["input_ids"]
+    assert tok.encode("12", "34") == ref.encode("12", "34")

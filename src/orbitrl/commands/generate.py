@@ -112,9 +112,9 @@ def run(args) -> int:
     src = Path(args.prompts)
     if not src.is_file():
         raise OrbitError(f"{src}: no such file")
+    path = resolve_model_path(args.model)  # builtin:NAME and Hub ids for the tokenizer too
     # the head re-laid out column-major only if the engine does not pack it (packed, its
     # GEMMs run over a copy made from the row-major weight): below, once that is known
-    path = resolve_model_path(args.model)  # builtin:NAME and Hub ids for the tokenizer too
     model = load_any_model(path, args.dtype, column_major_head=False)
     tok = orbitrl.load_tokenizer(path, vocab_size=model.config.vocab_size)
     failed, reqs, lines = 0, [], []

@@ -83,9 +83,9 @@ def qualifies(path: Path, generic_classes: tuple[str, ...]) -> bool:
             return False
         if tok is not None and added.get(tok) is not True:
             return False  # transformers adds (or re-flags) a named token that is not special
-    decoder = conf.get("added_tokens_decoder") or {}
-    return all(added.get(v.get("content")) is not None for v in decoder.values()
-               if isinstance(v, dict))
+    decoder = conf.get("added_tokens_decoder") or {}  # re-added by transformers if it differs
+    return all(isinstance(v, dict) and added.get(v.get("content")) is bool(v.get("special"))
+               for v in decoder.values())
 
 
 class FileTokenizer:
@@ -166,15 +166,16 @@ class FileTokenizer:
         return [self._tk.id_to_token(int(i)) for i in ids]
 
     # encoding and decoding
-    def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
-        if kwargs or not isinstance(text, str):
-            return self._hf().encode(text, add_special_tokens=add_special_tokens, **kwargs)
+    def encode(self, text: str, *args, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if args or kwargs or not isinstance(text, str):  # pairs, options: transformers
+            return self._hf().encode(text, *args, add_special_tokens=add_special_tokens,
+                                     **kwargs)
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text, add_special_tokens: bool = True, **kwargs):
-        if kwargs or not (isinstance(text, str) or (
+    def __call__(self, text, *args, add_special_tokens: bool = True, **kwargs):
+        if args or kwargs or not (isinstance(text, str) or (
                 isinstance(text, list) and all(isinstance(t, str) for t in text))):
-            return self._hf()(text, add_special_tokens=add_special_tokens, **kwargs)
+            return self._hf()(text, *args, add_special_tokens=add_special_tokens, **kwargs)
         if isinstance(text, str):
             ids = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
@@ -202,20 +203,21 @@ class FileTokenizer:
             self._template = compile_template(self.chat_template)
         return self._template
 
-    def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False,
-                            tokenize=True, return_dict=True, **kwargs):
+    def apply_chat_template(self, conversation, *args, tools=None,
+                            add_generation_prompt=False, tokenize=True, return_dict=True,
+                            **kwargs):
         """One conversation (a list of role/content dicts) under the chat template, as
         transformers renders it: the rendered text, or (``tokenize``) ``{"input_ids",
         "attention_mask"}`` (``return_dict=False``: the list of ids), encoded without
         special tokens beyond the template's own. Batches and the options of
         transformers' method not named here go to transformers."""
-        plain = (self.chat_template is not None and isinstance(conversation, list)
+        plain = (not args and self.chat_template is not None and isinstance(conversation, list)
                  and all(isinstance(m, dict) for m in conversation)
                  and (tools is None or all(isinstance(t, dict) for t in tools))
                  and not any(k in kwargs for k in HF_ONLY_OPTIONS))
         if not plain:
             return self._hf().apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                conversation, *args, tools=tools, add_generation_prompt=add_generation_prompt,
                 tokenize=tokenize, return_dict=return_dict, **kwargs)
         text = self._compiled().render(
             messages=template_data(alias_reasoning(conversation)),
