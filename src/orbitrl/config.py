@@ -32,7 +32,7 @@ def _require(section, name: str, keys, ok, what: str):
 class ModelSection:
     path: str = BUILTIN_MODEL  # a model directory, a Hugging Face Hub id (org/name, or org/name@revision; from the local cache, downloaded when the network allows: docs/models.md), or builtin:NAME
     revision: str = ""  # Hub revision (branch, tag or commit) for a Hub id in model.path that names none; empty: main
-    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4"] = "auto"  # frozen base storage (adapter mode); auto: the widest of the compute dtype, int8 and nf4 whose predicted peak stays within a quarter of the memory free at start (ledger/runtime.py choose_base_dtype; nf4 under torchrun)
+    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4mix", "nf4"] = "auto"  # frozen base storage (adapter mode); nf4mix: nf4 for the MLP's gate and up projections, int8 for attention and the down projection (4 bits break those first); auto: the widest of the compute dtype, int8, nf4mix and nf4 whose predicted peak stays within a quarter of the memory free at start (ledger/runtime.py choose_base_dtype; nf4 under torchrun)
     dtype: Literal["fp32", "bf16"] = "fp32"  # compute dtype (fp32 on CPUs)
     device: str = "auto"  # auto, cpu, cuda or cuda:N
     # keep the frozen base's projections dequantized (compute dtype) when they fit in this
@@ -192,7 +192,7 @@ class CriticSection:
     kind: Literal["model", "head"] = "model"  # model: a value network of its own (a decoder and a scalar head on its final hidden states, its own forward and backward); head: an MLP on the policy's detached hidden states (no forward of its own)
     path: str = ""  # model: its starting weights, a model directory or Hub id (a one-label sequence-classification checkpoint, e.g. from orbitrl rm, starts the head too); empty: the policy's starting weights
     mode: Literal["auto", "adapter", "full"] = "auto"  # model: LoRA (lora.*) on a frozen base, or every weight; auto: train.mode. An adapter critic with the policy's path and base format shares the policy's frozen base on one process
-    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4"] = "auto"  # an adapter critic's frozen base format; auto: model.base_dtype (the shared base)
+    base_dtype: Literal["auto", "fp32", "bf16", "int8", "nf4mix", "nf4"] = "auto"  # an adapter critic's frozen base format; auto: model.base_dtype (the shared base)
     optimizer: Literal["auto", "adamw", "sgd", "adalomo"] = "auto"  # auto: AdamW for an adapter critic, the stateless fused AdaLomo-style update for a full one
     tiers: int = 0  # a full critic: k >= 1 keeps its decoder layers in host memory and copies each to the device k layers ahead, as train.tiers (needs a fused critic.optimizer)
 

@@ -38,15 +38,17 @@ def test_recompute_auto_is_on_where_full_mode_saves_more_than_its_weights():
 def test_base_auto_takes_the_widest_format_the_memory_allows():
     c = cfg()
     peaks = {f: runtime.runtime_prediction(cfg(f"model.base_dtype={f}"), SMOL, 47)["peak"]
-             for f in ("fp32", "int8", "nf4")}
-    assert peaks["fp32"] > peaks["int8"] > peaks["nf4"]
+             for f in ("fp32", "int8", "nf4mix", "nf4")}
+    assert peaks["fp32"] > peaks["int8"] > peaks["nf4mix"] > peaks["nf4"]
     share = runtime.BASE_SHARE
     assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", 24 * GiB) == "fp32"
     assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", int(peaks["fp32"] / share)) == "fp32"
     assert runtime.choose_base_dtype(c, SMOL, 47, "cpu",
                                      int(peaks["fp32"] / share) - 1) == "int8"
     assert runtime.choose_base_dtype(c, SMOL, 47, "cpu",
-                                     int(peaks["int8"] / share) - 1) == "nf4"
+                                     int(peaks["int8"] / share) - 1) == "nf4mix"
+    assert runtime.choose_base_dtype(c, SMOL, 47, "cpu",
+                                     int(peaks["nf4mix"] / share) - 1) == "nf4"
     assert runtime.choose_base_dtype(c, SMOL, 47, "cpu", 1) == "nf4"  # nothing fits: nf4
     assert runtime.choose_base_dtype(cfg("train.mode=full"), SMOL, 47, "cpu", 1) == "fp32"
     assert runtime.choose_base_dtype(cfg("model.dtype=bf16"), SMOL, 47, "cuda",

@@ -13,7 +13,7 @@ from orbitrl.ledger import formats
 from orbitrl.model import quant
 from orbitrl.model.quant import FrozenLinear, frozen_linears
 
-FMTS = ["fp32", "bf16", "int8", "nf4", "int4"]
+FMTS = ["fp32", "bf16", "int8", "nf4", "int4"]  # (nf4mix: nf4 and int8 by weight, below)
 
 
 def _w(out=96, inp=64, seed=0):
@@ -166,6 +166,34 @@ def test_resident_bytes_match_ledger(wide_dir, fmt):
     assert abs(measured / params - per_param) / per_param < 0.05, (measured / params, per_param)
     # and the planner's table (typical row length) is within 5% too
     assert abs(measured / params - formats.PARAM_BYTES[fmt]) / formats.PARAM_BYTES[fmt] < 0.05
+
+
+def test_nf4mix_is_nf4_for_the_mlp_inputs_and_int8_elsewhere(wide_dir, hf_dirs):
+    """nf4mix stores gate/up in nf4 and attention and down in int8, each weight's bytes what
+    the ledger prices for its own format; the ledger's per-parameter price (half the
+    projections in nf4) within 10% of this model's (40% of them gate/up)."""
+    path, _ = wide_dir
+    model = orbitrl.load_model(path, base_format="nf4mix")
+    fls = frozen_linears(model)
+    kinds = {n.rsplit(".", 1)[-1]: f.fmt for n, f in fls.items()}
+    assert kinds == {"gate_proj": "nf4", "up_proj": "nf4", "down_proj": "int8",
+                     "q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int8"}
+    measured = sum(f.weight_bytes() for f in fls.values())
+    assert measured == sum(formats.linear_bytes(f.fmt, f.out_features, f.in_features)
+                           for f in fls.values())
+    params = sum(f.in_features * f.out_features for f in fls.values())
+    assert abs(measured / params / formats.PARAM_BYTES["nf4mix"] - 1) < 0.1
+    assert formats.PARAM_BYTES["nf4"] < formats.PARAM_BYTES["nf4mix"] < \
+        formats.PARAM_BYTES["int8"]
+    path, ref = hf_dirs["qwen3"]
+    model = orbitrl.load_model(path, base_format="nf4mix")
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        assert (model(ids) - ref(ids).logits).abs().max().item() < 0.2
+    with pytest.raises(OrbitError, match="nf4mix needs the weight's name"):
+        from orbitrl.model.lora import LoRALinear
+
+        LoRALinear(nn.Linear(64, 64), 4, 8, base_format="nf4mix")
 
 
 def test_quantized_while_streaming(hf_dirs):

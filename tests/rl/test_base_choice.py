@@ -44,6 +44,7 @@ def test_little_memory_quantizes_the_base(tmp_path, model_dir, monkeypatch):
     assert base == "nf4" and "base_dtype: nf4" in saved
 
 
-def test_an_explicit_base_is_kept(tmp_path, model_dir, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "nf4mix"])
+def test_an_explicit_base_is_kept(tmp_path, model_dir, monkeypatch, fmt):
     monkeypatch.setattr(P, "available_memory", lambda device: 1 << 40)
-    assert run(tmp_path, model_dir, "model.base_dtype=int8")[1] == "int8"
+    assert run(tmp_path, model_dir, f"model.base_dtype={fmt}")[1] == fmt

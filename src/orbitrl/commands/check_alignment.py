@@ -18,7 +18,7 @@ from pathlib import Path
 
 from orbitrl.errors import OrbitError
 
-FORMATS = ("fp32", "bf16", "int8", "nf4")
+FORMATS = ("fp32", "bf16", "int8", "nf4mix", "nf4")
 
 
 def add_arguments(parser):

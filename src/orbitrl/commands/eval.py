@@ -24,7 +24,7 @@ def add_arguments(parser):
                         "rows, with the run's prompt encoding (chat template), reward and "
                         "max tokens (the other flags except --limit and --out are ignored)")
     parser.add_argument("--adapter", help="PEFT adapter directory to apply")
-    parser.add_argument("--base-dtype", choices=("auto", "fp32", "bf16", "int8", "nf4"),
+    parser.add_argument("--base-dtype", choices=("auto", "fp32", "bf16", "int8", "nf4mix", "nf4"),
                         default="auto", help="the frozen base's format under --adapter; auto: "
                         "the one the adapters were trained over (their orbitrl_base.json), "
                         "else fp32")

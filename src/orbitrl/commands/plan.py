@@ -18,7 +18,7 @@ from orbitrl.errors import OrbitError
 GB = 1e9
 CHOICES = {
     "--strategy": ("adamw", "stateless", "adapter"),
-    "--base-dtype": ("bf16", "fp32", "fp8", "int8", "int4", "nf4"),
+    "--base-dtype": ("bf16", "fp32", "fp8", "int8", "int4", "nf4mix", "nf4"),
     "--weight-dtype": ("bf16", "fp16", "fp8", "fp32"),
     "--grad-dtype": ("bf16", "fp16", "fp8", "fp32"),
     "--kv-dtype": ("bf16", "fp16", "fp8", "fp32"),
@@ -33,7 +33,7 @@ CHOICES = {
     "--schedule": ("colocated", "separated", "one_step", "async", "fastest"),
 }
 # adapter bases orbitrl loads (model.base_dtype); fp8 and int4 are planned only on paper
-RUN_BASE_DTYPES = ("bf16", "fp32", "int8", "nf4")
+RUN_BASE_DTYPES = ("bf16", "fp32", "int8", "nf4mix", "nf4")
 
 
 def add_arguments(parser):

@@ -15,13 +15,19 @@ and the runtime's :class:`orbitrl.model.quant.FrozenLinear` is tested to hold ex
   scale per ``group`` values along the input dimension). The runtime defaults to
   ``INT4_GROUP`` (32); the planner prices int4 at ``PLANNER_INT4_GROUP`` (128, the layout of
   GPTQ/AWQ and torchao int4 weight-only checkpoints) unless told another group.
+- ``nf4mix``: ``nf4`` for the MLP's input projections (gate and up), ``int8`` for the
+  attention projections and the down projection, the ones 4 bits break first on a small
+  model (llama.cpp's Q4_K_M keeps its down and value projections wider for the same reason).
+  Priced at ``NF4MIX_SHARE`` of a model's projection weights in nf4, the rest int8; per
+  weight, :func:`linear_bytes` of the format each one is stored in (:func:`mixed_format`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
-FORMATS = ("fp32", "bf16", "fp16", "int8", "nf4", "int4")
+FORMATS = ("fp32", "bf16", "fp16", "int8", "nf4", "nf4mix", "int4")
 
 NF4_BLOCK = 64          # values per absmax (QLoRA, torchao and bitsandbytes default)
 NF4_SCALER_BLOCK = 256  # absmaxes per fp32 factor (torchao default)
@@ -31,6 +37,12 @@ INT4_GROUP = 32         # values per bf16 scale (GGUF Q4_0-sized groups; divides
 # runtime's own default stays INT4_GROUP; a runtime prediction passes its group explicitly.
 PLANNER_INT4_GROUP = 128
 TYPICAL_IN_FEATURES = 4096  # a row length for per-row overheads when no shape is given
+
+# nf4mix: the share of a dense decoder's projection weights in the MLP's gate and up
+# projections (2 h i of 2 h i + h i + attention): SmolLM2-135M 0.50, Llama-3-8B 0.54,
+# Qwen2.5-7B 0.60; a mixture's experts are almost all MLP (0.6-0.67)
+NF4MIX_SHARE = 0.5
+NF4MIX_NF4 = re.compile(r".*\.(gate_proj|up_proj|gate_up_proj|w1|w3)\.weight")
 
 _PLAIN = {"fp32": 4, "bf16": 2, "fp16": 2}
 _NF4_PER_TENSOR = 4 + 16 * 4  # fp32 scaler mean + fp32 code book
@@ -63,7 +75,19 @@ def bytes_per_param(fmt: str, in_features: int = TYPICAL_IN_FEATURES, *,
         return 0.5 + 1.0 / block + 4.0 / (block * scaler_block)
     if fmt == "int4":
         return 0.5 + 2.0 / group
+    if fmt == "nf4mix":
+        return NF4MIX_SHARE * bytes_per_param("nf4", in_features, block=block,
+                                              scaler_block=scaler_block) + \
+            (1 - NF4MIX_SHARE) * bytes_per_param("int8", in_features)
     raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+def mixed_format(fmt: str, name: str) -> str:
+    """The format the weight ``name`` (a checkpoint name) is stored in under ``fmt``: for
+    ``nf4mix`` nf4 or int8 by projection, else ``fmt`` itself."""
+    if fmt != "nf4mix":
+        return fmt
+    return "nf4" if NF4MIX_NF4.fullmatch(name) else "int8"
 
 
 def linear_bytes(fmt: str, out_features: int, in_features: int, *, block: int = NF4_BLOCK,

@@ -107,7 +107,7 @@ class Strategy:
 # - bf16 -> fp32: the cast result, 4 B.
 # (Measured on one 1536 x 512 layer with the peak-RSS probe: 15.1 MiB for nf4 = 20.1 B and
 # 5.9 MiB for int8 = 7.9 B per element.)
-DEQUANT_WORKSPACE = {"nf4": 20, "int8": 8, "bf16": 4, "fp16": 4}
+DEQUANT_WORKSPACE = {"nf4": 20, "nf4mix": 20, "int8": 8, "bf16": 4, "fp16": 4}
 
 
 def largest_projection_params(shape: ModelShape) -> int:

@@ -55,6 +55,9 @@ class LoRALinear(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise OrbitError(f"lora dropout: must be in [0, 1), got {dropout}")
         if base_format is not None and isinstance(base, nn.Linear):
+            if base_format == "nf4mix":  # its format depends on the weight's name
+                raise OrbitError("lora base_format: nf4mix needs the weight's name; "
+                                 "quantize the base as it loads (model.base_dtype)")
             base = FrozenLinear.from_linear(base, base_format)
         for p in base.parameters():
             p.requires_grad_(False)

@@ -109,7 +109,8 @@ def layer_token_seconds(hf: dict, kind: str, base_dtype: str, rank: int, rows: i
     from orbitrl.model.weights import load_model  # start-up: as above
 
     def build(path: Path):
-        fmt = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}.get(base_dtype)
+        fmt = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4mix": "nf4mix",
+               "nf4": "nf4"}.get(base_dtype)
         if kind != "adapter" or fmt is None:
             model = load_model(path)
         else:
@@ -164,7 +165,7 @@ def host_cost(mode: str, base_dtype: str, reference: bool, steps: int = 12,
     from orbitrl.ledger.dispatch import HostCost  # start-up: plan --help stays light
     settings = [f"train.mode={mode}", f"algo.kl_coef={0.01 if reference else 0.0}"]
     if mode == "adapter":
-        fmt = base_dtype if base_dtype in ("fp32", "nf4", "int8") else "fp32"
+        fmt = base_dtype if base_dtype in ("fp32", "nf4", "nf4mix", "int8") else "fp32"
         settings.append(f"model.base_dtype={fmt}")
     ops, times = {}, {}
     with tempfile.TemporaryDirectory(prefix="orbitrl-calibrate-") as tmp:

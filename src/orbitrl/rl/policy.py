@@ -37,7 +37,8 @@ from orbitrl.model.quant import cache_dequantized, check_format, finish_frozen, 
 from orbitrl.model.weights import load_model
 from orbitrl.train.residency import LayerResidency
 
-BASE_FORMATS = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4": "nf4"}
+BASE_FORMATS = {"fp32": None, "bf16": "bf16", "int8": "int8", "nf4mix": "nf4mix",
+                "nf4": "nf4"}
 
 
 @dataclass

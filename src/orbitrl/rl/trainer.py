@@ -75,7 +75,7 @@ class RLTrainer:
         # baseline: before the model is loaded (torchao holds a quantized base, and full
         # mode's int8 reference)
         self.mem = MemoryProbe(self.device, quantized=cfg.train.mode == "full"
-                               or cfg.model.base_dtype in ("int8", "nf4"))
+                               or cfg.model.base_dtype in ("int8", "nf4mix", "nf4"))
         self.policy = build_policy(cfg, self.device, tokenizer=tok)
         self.coll.shard(self.policy, cfg)
         model = self.policy.model
