@@ -15,6 +15,11 @@ grader (``rewards/graders.py`` ``answer``).
 
     python benchmarks/bench_real_grpo.py                       # adapter and full, 600 s each
     python benchmarks/bench_real_grpo.py --seconds 120 --heldout 40 --modes adapter  # shorter
+    python benchmarks/bench_real_grpo.py --modes adapter --systems orbitrl --base-dtype nf4mix
+
+``--base-dtype`` (fp32 by default, as TRL's LoRA runs) sets orbitrl's frozen base in adapter
+mode (``model.base_dtype``); the evaluation then also runs through that base
+(``orbitrl eval``, the run's recorded base) beside transformers' over the fp32 weights.
 
 Prints a table (steps in the budget, seconds per step, peak RSS, held-out accuracy) with
 ratios against TRL; ``--out DIR`` keeps the runs, the data and ``results.json``.
@@ -63,10 +68,10 @@ def last_number_correct(reply: str, answer: str) -> bool:
 
 # ---- the systems (each in its own process) ---------------------------------------------
 def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path,
-                reward: str = "arithmetic"):
+                reward: str = "arithmetic", base_dtype: str = "fp32"):
     import yaml
 
-    cfg = {"model": {"path": str(model), "base_dtype": "fp32"},
+    cfg = {"model": {"path": str(model), "base_dtype": base_dtype},
            "train": {"mode": mode, "max_steps": 1_000_000, "max_seconds": seconds},
            "rollout": {"n": SETTINGS["n"], "prompts_per_step": SETTINGS["prompts"],
                        "temperature": SETTINGS["temperature"],
@@ -105,6 +110,7 @@ def run_orbitrl(model: Path, mode: str, seconds: float, data: Path, out: Path,
         "steps": s["steps"], "seconds": sum(r.get("time_step_s", 0.0) for r in rows),
         "train_seconds": seconds,
         "policy": str(run / "checkpoints" / "final"), "adapter": mode == "adapter",
+        "base_dtype": base_dtype if mode == "adapter" else "fp32",
         "summary": {k: s.get(k) for k in ("heldout_accuracy_before", "heldout_accuracy_after",
                                           "predicted_peak_bytes", "measured_peak_bytes",
                                           "predicted_train_bytes", "measured_train_bytes")}}))
@@ -247,6 +253,9 @@ def main(argv=None):
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--policy", help=argparse.SUPPRESS)
     ap.add_argument("--adapter", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--base-dtype", default="fp32",
+                    choices=("fp32", "bf16", "int8", "nf4mix", "nf4"),
+                    help="orbitrl's frozen base in adapter mode (default fp32)")
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.heldout < 1:
         ap.error("--seconds must be > 0 and --heldout >= 1")
@@ -255,7 +264,8 @@ def main(argv=None):
         d = Path(args.dir)
         if args.worker in ("orbitrl", "orbitrl_math"):
             run_orbitrl(model, args.mode, args.seconds, d / "train.jsonl", Path(args.policy),
-                        "math" if args.worker == "orbitrl_math" else "arithmetic")
+                        "math" if args.worker == "orbitrl_math" else "arithmetic",
+                        args.base_dtype)
         elif args.worker in ("trl", "trl_gc"):
             run_trl(model, args.mode, args.seconds, d / "train.jsonl", Path(args.policy),
                     args.worker == "trl_gc")
@@ -267,7 +277,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     make_data(out, args.heldout)
     me = [sys.executable, str(Path(__file__).resolve()), "--model", str(model),
-          "--dir", str(out), "--seconds", str(args.seconds)]
+          "--dir", str(out), "--seconds", str(args.seconds), "--base-dtype", args.base_dtype]
 
     def evaluate_in_process(policy: str | None, adapter: bool) -> dict:
         cmd = me + ["--worker", "eval"] + (["--policy", policy] if policy else []) + \
@@ -290,12 +300,26 @@ def main(argv=None):
             res = json.loads((d / "result.json").read_text())
             res.update(system=system, mode=mode, peak_rss=rss,
                        **evaluate_in_process(res["policy"], res["adapter"]))
+            if res.get("base_dtype", "fp32") != "fp32":  # also through the trained-over base
+                res["heldout_own_base"] = eval_own_base(model, res["policy"],
+                                                        out / "heldout.jsonl")
             results["runs"].append(res)
             print(f"  {res['steps']} steps, peak RSS {rss / 2**20:.0f} MiB, held-out "
                   f"{res['heldout']:.2f}", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     return 0
+
+
+def eval_own_base(model: Path, adapter: str, heldout: Path) -> float:
+    """Strict held-out accuracy of adapters over the base they were trained on (``orbitrl
+    eval`` reads it from their orbitrl_base.json), greedy, the same questions and tokens."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "orbitrl.cli", "eval", "--model", str(model),
+                        "--adapter", adapter, "--data", str(heldout), "--chat-template",
+                        "--max-tokens", str(SETTINGS["max_tokens"]), "--out",
+                        f"{tmp}/eval.json"], check=True, capture_output=True)
+        return json.loads(Path(f"{tmp}/eval.json").read_text())["accuracy"]
 
 
 def print_table(results: dict):
@@ -312,7 +336,10 @@ def print_table(results: dict):
         trl = next((r for r in runs if r["system"] == "trl"), None)
         for r in runs:
             ratio = f"{r['peak_rss'] / trl['peak_rss']:.2f}x" if trl else "-"
-            print(f"| {mode} | {names[r['system']]} | {r['steps']} | "
+            name = names[r["system"]] + (f", {r['base_dtype']} base (over it: held-out "
+                                         f"{r['heldout_own_base']:.2f} strict)"
+                                         if "heldout_own_base" in r else "")
+            print(f"| {mode} | {name} | {r['steps']} | "
                   f"{r['seconds'] / max(1, r['steps']):.1f} | {r['peak_rss'] / 2**20:,.0f} MiB | "
                   f"{ratio} | {r['heldout']:.2f} | {r['heldout_strict']:.2f} |")
     print("\norbitrl's runs: training reward (first -> last 10 steps), and when its in-run "
