@@ -187,9 +187,10 @@ def host_cost(mode: str, base_dtype: str, reference: bool, steps: int = 12,
         ys = [times[x][ph] for x in xs]
         my = sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        slope = max(slope, 0.0)
-        base = max(my - slope * mx, 0.0)
-        if per_layer_ops <= 0 or fixed_ops <= 0:  # no split: one cost for every op
+        base = my - slope * mx
+        # no split (or timings too noisy to split: a fit with a negative per-layer or fixed
+        # time, seen on a loaded machine): one cost for every op
+        if per_layer_ops <= 0 or fixed_ops <= 0 or slope <= 0 or base <= 0:
             every = my / (fixed_ops + per_layer_ops * mx) if ops[1][ph] else 0.0
             cost[f"{ph}_fixed"] = cost[f"{ph}_layer"] = every * 1e6
             continue
