@@ -142,14 +142,39 @@ def test_directories_transformers_would_change_go_to_transformers(tmp_path, conf
     assert not isinstance(tok, FileTokenizer)
 
 
-def test_loading_the_builtin_tokenizer_does_not_import_transformers():
-    code = ("import sys, orbitrl; tok = orbitrl.load_tokenizer(sys.argv[1]); "
+def test_loading_and_saving_the_builtin_tokenizer_does_not_import_transformers(tmp_path):
+    code = ("import sys, orbitrl; from orbitrl.model.tokenizer import save_tokenizer; "
+            "tok = orbitrl.load_tokenizer(sys.argv[1]); "
             "tok.apply_chat_template([{'role': 'user', 'content': '1+2'}]); "
+            "save_tokenizer(tok, sys.argv[2]); "
             "print(type(tok).__name__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code,
-                          str(resolve_model_path("builtin:tiny-arith"))],
+                          str(resolve_model_path("builtin:tiny-arith")), str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["FileTokenizer", "False"]
+
+
+def test_saved_files_load_back_as_the_same_tokenizer(pair, tmp_path):
+    """``save_pretrained`` copies the tokenizer's files as they are: transformers and orbitrl
+    read the copy back as the same tokenizer."""
+    from pathlib import Path
+
+    from orbitrl.model.tokenizer import save_tokenizer
+
+    tok, ref = pair
+    save_tokenizer(tok, tmp_path / "out")
+    src = Path(tok.name_or_path)
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
+    again, hf = load_tokenizer(tmp_path / "out"), reference(tmp_path / "out")
+    assert isinstance(again, FileTokenizer)
+    conv = CONVERSATIONS[1]
+    for t in (again, hf):
+        assert t(TEXTS[1])["input_ids"] == ref(TEXTS[1])["input_ids"]
+        assert t.apply_chat_template(conv, tokenize=False) == \
+            ref.apply_chat_template(conv, tokenize=False)
+        assert (t.eos_token_id, t.pad_token_id, len(t)) == \
+            (ref.eos_token_id, ref.pad_token_id, len(ref))
 
 
 def test_positional_options_go_to_transformers(pair):

@@ -11,8 +11,8 @@ backend) and jinja2 load the same files in about 0.15 s.
 ``tokenizer_config.json`` keys that make transformers change the backend or its output
 (``add_bos_token``, ``clean_up_tokenization_spaces``, special tokens missing from the
 vocabulary, ...). It implements what orbitrl calls (encoding, decoding, the special tokens,
-``apply_chat_template`` for one conversation, optionally with tools) the way transformers
-does; any other attribute, and any call with options it does not implement, goes to
+``apply_chat_template`` for one conversation, optionally with tools; ``save_pretrained``
+copies the files) the way transformers does; any other attribute, and any call with options it does not implement, goes to
 transformers' tokenizer for the same directory, built on first use. tests/model/
 test_file_tokenizer.py checks both against transformers on the built-in and real models.
 """
@@ -20,6 +20,7 @@ test_file_tokenizer.py checks both against transformers on the built-in and real
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -236,12 +237,27 @@ class FileTokenizer:
         self.__dict__.update(state)
 
     def save_pretrained(self, out, **kwargs):
-        return self._hf().save_pretrained(out, **kwargs)
+        """The directory's tokenizer files copied as they are (what transformers' loader
+        reads back as this same tokenizer); with options, transformers' own method."""
+        if kwargs:
+            return self._hf().save_pretrained(out, **kwargs)
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in TOKENIZER_FILES:
+            src = Path(self.name_or_path) / name
+            if src.is_file():
+                if not (out / name).exists() or not (out / name).samefile(src):
+                    shutil.copyfile(src, out / name)
+                written.append(str(out / name))
+        return tuple(written)
 
     def __repr__(self) -> str:
         return f"FileTokenizer({self.name_or_path!r}, {len(self)} tokens)"
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 # apply_chat_template options that only transformers' method implements
 HF_ONLY_OPTIONS = ("documents", "continue_final_message", "return_assistant_tokens_mask",
                    "chat_template", "padding", "truncation", "max_length", "return_tensors",
