@@ -6,7 +6,7 @@ of ``orbitrl generate`` after torch itself. The ``tokenizers`` library (transfor
 backend) and jinja2 load the same files in about 0.15 s.
 
 :class:`FileTokenizer` is used only where it gives transformers' answers (see
-:func:`qualifies`): a generic fast tokenizer (``PreTrainedTokenizerFast`` /
+:func:`open_file_tokenizer`): a generic fast tokenizer (``PreTrainedTokenizerFast`` /
 ``TokenizersBackend``) over its ``tokenizer.json`` as written, with none of the
 ``tokenizer_config.json`` keys that make transformers change the backend or its output
 (``add_bos_token``, ``clean_up_tokenization_spaces``, special tokens missing from the
@@ -60,50 +60,52 @@ def _chat_template(path: Path, conf: dict) -> str | None:
     return t if isinstance(t, str) else None
 
 
-def qualifies(path: Path, generic_classes: tuple[str, ...]) -> bool:
-    """Whether transformers would load ``path``'s tokenizer as ``tokenizer.json`` as written
-    with named special tokens that it already holds (then :class:`FileTokenizer` is it)."""
+def open_file_tokenizer(path: Path, generic_classes: tuple[str, ...]):
+    """``path``'s tokenizer as a :class:`FileTokenizer` where transformers would load it as
+    ``tokenizer.json`` as written with named special tokens the file already holds; else
+    None (transformers loads it, and reports a broken directory in its own words). The
+    config is read and the file parsed once, by the ``tokenizers`` library."""
+    from tokenizers import Tokenizer  # what transformers' fast tokenizers wrap
+
     try:
         conf = _config(path)
-        data = json.loads((path / "tokenizer.json").read_text())
-    except (OSError, ValueError):
-        return False  # transformers reports a broken directory in its own words
-    if conf.get("tokenizer_class") not in generic_classes:
-        return False
-    if any(k in conf for k in CHANGES_BACKEND) or conf.get("clean_up_tokenization_spaces"):
-        return False
-    if data.get("truncation") or data.get("padding") or data.get("post_processor") is None:
-        return False
-    vocab = (data.get("model") or {}).get("vocab")
-    added = {t.get("content"): t.get("special") for t in data.get("added_tokens") or []}
-    if not isinstance(vocab, dict) or len(vocab) + len(added) > LARGE_VOCAB:
-        return False
+        if conf.get("tokenizer_class") not in generic_classes or \
+                any(k in conf for k in CHANGES_BACKEND) or \
+                conf.get("clean_up_tokenization_spaces"):
+            return None
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # (unreadable, invalid JSON, a file tokenizers refuses)
+        return None
+    if tk.truncation or tk.padding or tk.post_processor is None or \
+            type(tk.model).__name__ not in ("BPE", "WordLevel", "WordPiece") or \
+            tk.get_vocab_size(with_added_tokens=True) > LARGE_VOCAB:
+        return None
+    added = {t.content: t.special for t in tk.get_added_tokens_decoder().values()}
     for key in SPECIAL:
         tok = _token(conf.get(key))
-        if key in conf and conf[key] is not None and tok is None:
-            return False
+        if conf.get(key) is not None and tok is None:
+            return None
         if tok is not None and added.get(tok) is not True:
-            return False  # transformers adds (or re-flags) a named token that is not special
+            return None  # transformers adds (or re-flags) a named token that is not special
     decoder = conf.get("added_tokens_decoder") or {}  # re-added by transformers if it differs
-    return all(isinstance(v, dict) and added.get(v.get("content")) is bool(v.get("special"))
-               for v in decoder.values())
+    if not all(isinstance(v, dict) and added.get(v.get("content")) is bool(v.get("special"))
+               for v in decoder.values()):
+        return None
+    return FileTokenizer(path, tk, conf)
 
 
 class FileTokenizer:
     """``tokenizer.json`` + ``tokenizer_config.json`` + the chat template, as transformers'
-    generic fast tokenizer reads them (only for directories that :func:`qualifies`)."""
+    generic fast tokenizer reads them (only for directories :func:`open_file_tokenizer`
+    takes)."""
 
     is_fast = True
 
-    def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer  # what transformers' fast tokenizers wrap
-
-        path = Path(path)
+    def __init__(self, path: Path, tk, conf: dict):
+        """(Made by :func:`open_file_tokenizer`: ``tk`` the parsed file, ``conf`` the
+        directory's tokenizer_config.json and special_tokens_map.json.)"""
         self.name_or_path = str(path)
-        self._tk = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self._tk.no_truncation()
-        self._tk.no_padding()
-        conf = _config(path)
+        self._tk = tk
         self._special = {k: _token(conf.get(k)) for k in SPECIAL if _token(conf.get(k))}
         self.chat_template = _chat_template(path, conf)
         self._template = None  # compiled on first use
@@ -212,19 +214,18 @@ class FileTokenizer:
         "attention_mask"}`` (``return_dict=False``: the list of ids), encoded without
         special tokens beyond the template's own. Batches and the options of
         transformers' method not named here go to transformers."""
-        plain = (not args and self.chat_template is not None and isinstance(conversation, list)
-                 and all(isinstance(m, dict) for m in conversation)
-                 and (tools is None or all(isinstance(t, dict) for t in tools))
+        plain = (not args and self.chat_template is not None and type(conversation) is list
+                 and all(type(m) is dict for m in conversation)
+                 and plain_data([conversation, tools, kwargs])
+                 and (tools is None or all(type(t) is dict for t in tools))
                  and not any(k in kwargs for k in HF_ONLY_OPTIONS))
         if not plain:
             return self._hf().apply_chat_template(
                 conversation, *args, tools=tools, add_generation_prompt=add_generation_prompt,
                 tokenize=tokenize, return_dict=return_dict, **kwargs)
         text = self._compiled().render(
-            messages=template_data(alias_reasoning(conversation)),
-            tools=template_data(tools), documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **template_data({**self.special_tokens_map, **kwargs}))
+            messages=alias_reasoning(conversation), tools=tools, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens_map, **kwargs)
         if not tokenize:
             return text
         ids = self._tk.encode(text, add_special_tokens=False).ids
@@ -274,23 +275,18 @@ def alias_reasoning(chat: list) -> list:
     return out
 
 
-def template_data(value):
-    """What a template sees: plain JSON types only (as transformers passes them)."""
+def plain_data(value) -> bool:
+    """Whether ``value`` is plain JSON data (exact str, int, float, bool, None, and lists,
+    tuples and str-keyed dicts of them): what a template may see as it is. transformers
+    rebuilds anything else (enum members, numpy scalars, media) first; such input goes to
+    it."""
     if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):  # subclasses (enums, ...) back to the plain type
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, dict):
-        return {template_data(k): template_data(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [template_data(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(template_data(v) for v in value)
-    return f"<{type(value).__name__}>"  # an inert placeholder for anything else
+        return True
+    if type(value) is dict:
+        return all(type(k) is str and plain_data(v) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return all(plain_data(v) for v in value)
+    return False
 
 
 def compile_template(source: str):

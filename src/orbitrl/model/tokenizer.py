@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from orbitrl.errors import OrbitError, first_line
-from orbitrl.model.file_tokenizer import FileTokenizer, qualifies
+from orbitrl.model.file_tokenizer import open_file_tokenizer
 
 
 GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
@@ -34,26 +34,29 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
         path: model directory holding tokenizer files.
         vocab_size: rows of the model's embedding; a tokenizer with more tokens is an error.
     """
-    try:
-        if _generic_class(Path(path)) and qualifies(Path(path), GENERIC_CLASSES):
-            tok = FileTokenizer(path)  # the same files without importing transformers
-        elif _generic_class(Path(path)):
-            # transformers 5 swaps a generic fast tokenizer for the model type's own class
-            # (Qwen2Tokenizer for a qwen2 config), which rebuilds a byte-level BPE from the
-            # vocabulary and drops every character outside it: tokenizer.json as written
-            from transformers import PreTrainedTokenizerFast  # start-up, as above
-
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-        else:
-            from transformers import AutoTokenizer  # start-up: transformers takes seconds
-
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # transformers raises many types for a bad directory
-        raise OrbitError(f"{path}: cannot load a tokenizer ({first_line(e)})") from None
+    tok = open_file_tokenizer(Path(path), GENERIC_CLASSES)  # without importing transformers
+    if tok is None:
+        tok = _transformers_tokenizer(Path(path))
     if vocab_size is not None and len(tok) > vocab_size:
         raise OrbitError(f"{path}: tokenizer has {len(tok)} tokens but the model's embedding "
                          f"has only {vocab_size} rows (vocab_size in config.json)")
     return tok
+
+
+def _transformers_tokenizer(path: Path):
+    try:
+        if _generic_class(path):
+            # transformers 5 swaps a generic fast tokenizer for the model type's own class
+            # (Qwen2Tokenizer for a qwen2 config), which rebuilds a byte-level BPE from the
+            # vocabulary and drops every character outside it: tokenizer.json as written
+            from transformers import PreTrainedTokenizerFast  # start-up: transformers ~1 s
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        from transformers import AutoTokenizer  # start-up: transformers takes seconds
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a bad directory
+        raise OrbitError(f"{path}: cannot load a tokenizer ({first_line(e)})") from None
 
 
 def save_tokenizer(tok, out: str | Path) -> None:
