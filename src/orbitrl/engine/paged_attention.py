@@ -6,7 +6,8 @@ the model dtype or in fp8 e4m3 with one fp32 scale per (token, kv head). ``Paged
 is the decoder's attention backend for one engine step: it writes the step's new K/V into
 their slots, gathers each sequence's context with ``index_select`` and runs SDPA. Decode
 tokens (one query per sequence) go through one batched call over padded contexts; prefill
-chunks go one sequence at a time. With ``backend="triton"`` (the CUDA default) the same
+chunks go one sequence at a time; in fp32 on a CPU a GRPO group's shared prompt is
+attended once per group (:class:`Cascade`). With ``backend="triton"`` (the CUDA default) the same
 calls go to the paged kernels of ``attention_kernels.py`` instead, which read the blocks
 in place: decode tokens with their GRPO prefix groups, each prefill chunk over its prefix.
 A layer with attention sinks (gpt-oss) hands its [Hq] logits to each call; both paths put
@@ -161,6 +162,7 @@ class PagedAttention:
         self.backend = backend
         self._masks: dict = {}
         self._groups = None
+        self.cascade = None  # decode rows' shared prompts attended once per group (CPU)
 
     @classmethod
     def build(cls, cache: KVCache, windows: list, scale: float,
@@ -192,6 +194,8 @@ class PagedAttention:
                 self.dec_idx = slots.reshape(-1)
                 self.dec_shape = (nd, cmax)
                 mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
+                if not exact and softcap is None and dev.type == "cpu":
+                    self.cascade = Cascade.plan(items[:nd], slots, self.dec_pos, bs)
         self.prefills, self.prefill_tables = [], []
         t0 = nd
         for table, start, num_new in items[nd:]:
@@ -294,6 +298,9 @@ class PagedAttention:
         K and V)."""
         b, c = self.dec_shape
         hq, d = q.shape[1], q.shape[2]
+        if self.cascade is not None and window is None and sinks is None and expand is None:
+            qd = q[:b].view(b, hkv, hq // hkv, d)
+            return self.cascade(self.cache, layer, qd, self.scale).reshape(b, hq, -1)
         kc, vc = self.cache.read(layer, self.dec_idx)
         if expand is not None:
             kc, vc = expand(kc)
@@ -328,3 +335,107 @@ class PagedAttention:
             out[t0:t1] = kernels.paged_prefill(q[t0:t1], c.k[layer], c.v[layer], table, start,
                                                **kw)
         return out
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class Cascade:
+    """Decode attention with each GRPO group's shared prompt read once (the CPU's torch
+    path, fp32 SDPA): the rows of a request that share leading KV blocks attend to that
+    prefix as one batch of ``rows x G`` queries per kv head, and each row to its own
+    suffix; the two partial softmaxes are merged through their log-sum-exps.
+
+    Why: the plain path gathers every row's whole context at every layer and step, so a
+    group of n samples reads its prompt n times; on SmolLM2 (8 chat prompts x 8 samples)
+    the gathers and SDPA were 2.4 s of a 13.3 s rollout on one core, bound by reading K/V.
+
+    Built once per step by :meth:`plan` (None when sharing would save under a quarter of
+    the gathered positions); every layer without a sliding window reuses its indices."""
+
+    def __init__(self, groups, rmax, pmax, q_rows, p_idx, p_mask, s_idx, s_mask, back):
+        self.groups, self.rmax, self.pmax = groups, rmax, pmax
+        self.q_rows, self.p_idx, self.p_mask = q_rows, p_idx, p_mask
+        self.s_idx, self.s_mask, self.back = s_idx, s_mask, back
+
+    @classmethod
+    def plan(cls, items, slots, pos, block_size: int) -> "Cascade | None":
+        """items: the decode rows' (block_table, position, 1); slots: [B, C] their context
+        slots; pos: [B] their positions. Groups: runs of adjacent rows with the same first
+        block; a group's prefix is its common leading blocks, cut to its rows' shortest
+        context less one (every row keeps its own token in its suffix)."""
+        b, groups, i = len(items), [], 0
+        while i < b:
+            j = i + 1
+            while j < b and items[j][0][:1] == items[i][0][:1]:
+                j += 1
+            if j - i > 1:
+                tables = [items[r][0] for r in range(i, j)]
+                shared = 0
+                while all(len(t) > shared and t[shared] == tables[0][shared] for t in tables):
+                    shared += 1
+                p = min(shared * block_size, min(items[r][1] for r in range(i, j)))
+                if p >= block_size:
+                    groups.append((i, j, p))
+            i = j
+        saved = sum((j - i - 1) * p for i, j, p in groups)
+        if 4 * saved < b * slots.shape[1]:
+            return None
+        dev = slots.device
+        rmax = max(j - i for i, j, _ in groups)
+        pmax = max(p for _, _, p in groups)
+        ng = len(groups)
+        q_rows, back = [], [ng * rmax] * b  # back: a row's entry, ng * rmax = no prefix
+        start = torch.zeros(b, dtype=torch.long)
+        plen = torch.zeros(ng, dtype=torch.long)
+        first = []
+        for g, (i, j, p) in enumerate(groups):
+            q_rows += list(range(i, j)) + [j - 1] * (rmax - (j - i))
+            back[i:j] = range(g * rmax, g * rmax + j - i)
+            start[i:j] = p
+            plen[g] = p
+            first.append(i)
+        ar = torch.arange(pmax)
+        p_pos = torch.minimum(ar[None], plen[:, None] - 1)  # padding: a real slot, masked
+        p_idx = slots[torch.tensor(first)].gather(1, p_pos.to(dev))
+        p_mask = _additive(ar[None] < plen[:, None])
+        length = pos.cpu() + 1 - start
+        smax = int(length.max())
+        ar = torch.arange(smax)
+        s_pos = start[:, None] + torch.minimum(ar[None], length[:, None] - 1)
+        s_idx = slots.gather(1, s_pos.to(dev))
+        s_mask = _additive(ar[None] < length[:, None])
+        return cls(ng, rmax, pmax, torch.tensor(q_rows, device=dev), p_idx.reshape(-1),
+                   p_mask.to(dev), s_idx.reshape(-1), s_mask.to(dev),
+                   torch.tensor(back, device=dev))
+
+    def __call__(self, cache: KVCache, layer: int, q, scale: float):
+        """q: [B, Hkv, G, D] -> [B, Hkv, G, D]."""
+        b, hkv, g, d = q.shape
+        ng, r, p = self.groups, self.rmax, self.pmax
+        if self.p_mask.dtype != q.dtype:  # (the masks in the compute dtype, once per step)
+            self.p_mask, self.s_mask = self.p_mask.to(q.dtype), self.s_mask.to(q.dtype)
+        qg = q.index_select(0, self.q_rows).view(ng, r, hkv, g, d).transpose(1, 2)
+        kp, vp = cache.read(layer, self.p_idx)
+        op, lp = _FLASH(qg.reshape(ng, hkv, r * g, d), kp.view(ng, p, hkv, d).transpose(1, 2),
+                        vp.view(ng, p, hkv, d).transpose(1, 2), attn_mask=self.p_mask,
+                        scale=scale)[:2]
+        # back to rows, one more entry (zeros, log-sum-exp -inf) for rows without a prefix
+        op = torch.cat([op.view(ng, hkv, r, g, d).transpose(1, 2).reshape(ng * r, hkv, g, d),
+                        op.new_zeros(1, hkv, g, d)]).index_select(0, self.back)
+        lp = torch.cat([lp.view(ng, hkv, r, g).transpose(1, 2).reshape(ng * r, hkv, g),
+                        lp.new_full((1, hkv, g), float("-inf"))]).index_select(0, self.back)
+        ks, vs = cache.read(layer, self.s_idx)
+        s = self.s_idx.numel() // b
+        os_, ls = _FLASH(q, ks.view(b, s, hkv, d).transpose(1, 2),
+                         vs.view(b, s, hkv, d).transpose(1, 2), attn_mask=self.s_mask,
+                         scale=scale)[:2]
+        m = torch.maximum(lp, ls)
+        wp, ws = (lp - m).exp_(), (ls - m).exp_()
+        out = (op * wp[..., None] + os_ * ws[..., None]) / (wp + ws)[..., None]
+        return out.to(q.dtype)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    """[N, C] bool -> [N, 1, 1, C] fp32 mask, 0 where allowed and -inf elsewhere."""
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None, None]
