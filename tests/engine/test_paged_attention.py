@@ -58,7 +58,7 @@ def _qkv(n):
 def test_cascade_matches_the_gathered_attention(fp8):
     items = _items()
     q, k, v = _qkv(len(items))
-    fast = PagedAttention.build(_cache(fp8), [None], 0.3, items, exact=False)
+    fast = PagedAttention.build(_cache(fp8), [None], 0.3, items, exact=False, cascade=True)
     plan = fast.cascade
     assert plan is not None and plan.groups == 3 and plan.rmax == 4
     assert plan.pmax == 12  # the 4-row group's 3 blocks (the others' 2 and 1 are padded)
@@ -68,9 +68,24 @@ def test_cascade_matches_the_gathered_attention(fp8):
     torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
     # a padded row (ModelRunner's short steps) still comes out zero
     q2, k2, v2 = (torch.cat([t, t[:, :2]], 1) for t in (q, k, v))
-    out2 = PagedAttention.build(_cache(fp8), [None], 0.3, items, exact=False)(0, q2, k2, v2)
+    out2 = PagedAttention.build(_cache(fp8), [None], 0.3, items, exact=False,
+                                cascade=True)(0, q2, k2, v2)
     assert torch.equal(out2[:, len(items):], torch.zeros_like(out2[:, len(items):]))
     torch.testing.assert_close(out2[:, :len(items)], want, rtol=0, atol=2e-6)
+
+
+def test_an_exact_cascade_rounds_as_the_fp64_gathered_attention():
+    """``exact``: fp64 inside, fp32 out (a training run's rollout, whose trainer attends in
+    fp64): at most one fp32 ulp from the gathered fp64 path."""
+    items = _items()
+    q, k, v = _qkv(len(items))
+    wide = PagedAttention.build(_cache(), [None], 0.3, items, exact=True, cascade=True)
+    assert wide.cascade is not None and wide.cascade.exact
+    out = wide(0, q, k, v)
+    want = PagedAttention.build(_cache(), [None], 0.3, items, exact=True)(0, q, k, v)
+    assert out.dtype == torch.float32
+    ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((out - want).abs() <= ulp).all()
 
 
 def test_a_prefix_stops_before_a_rows_own_token():
@@ -78,7 +93,7 @@ def test_a_prefix_stops_before_a_rows_own_token():
     there (each row's own token stays in its suffix), the result unchanged."""
     items = [([0, 1, 2, 9 + i], 8 + i, 1) for i in range(3)]  # positions 8, 9, 10
     q, k, v = _qkv(3)
-    fast = PagedAttention.build(_cache(), [None], 0.3, items, exact=False)
+    fast = PagedAttention.build(_cache(), [None], 0.3, items, exact=False, cascade=True)
     assert fast.cascade is not None and fast.cascade.pmax == 8
     ref = PagedAttention.build(_cache(), [None], 0.3, items, exact=True)
     torch.testing.assert_close(fast(0, q, k, v), ref(0, q, k, v), rtol=0, atol=2e-6)
@@ -88,11 +103,11 @@ def test_cascade_only_where_it_saves_reads():
     c = _cache()
     # long contexts sharing one block: under a quarter of the gathered positions saved
     long = [([0] + list(range(10 + 8 * i, 18 + 8 * i)), 34, 1) for i in range(4)]
-    assert PagedAttention.build(c, [None], 0.3, long, exact=False).cascade is None
+    assert PagedAttention.build(c, [None], 0.3, long, exact=False, cascade=True).cascade is None
     lone = [(list(range(5 * i, 5 * i + 5)), 17, 1) for i in range(4)]  # nothing shared
-    assert PagedAttention.build(c, [None], 0.3, lone, exact=False).cascade is None
-    assert PagedAttention.build(c, [None], 0.3, _items(), exact=True).cascade is None
-    assert PagedAttention.build(c, [None], 0.3, _items(), exact=False,
+    assert PagedAttention.build(c, [None], 0.3, lone, exact=False, cascade=True).cascade is None
+    assert PagedAttention.build(c, [None], 0.3, _items(), exact=False).cascade is None
+    assert PagedAttention.build(c, [None], 0.3, _items(), exact=False, cascade=True,
                                 softcap=30.0).cascade is None
 
 
@@ -103,7 +118,7 @@ def test_a_sliding_window_layer_attends_as_before(monkeypatch):
     calls = []
     monkeypatch.setattr(pa.Cascade, "__call__", lambda self, *a: calls.append(a) or
                         pytest.fail("the cascade served a windowed layer"))
-    fast = PagedAttention.build(_cache(), [5], 0.3, items, exact=False)
+    fast = PagedAttention.build(_cache(), [5], 0.3, items, exact=False, cascade=True)
     ref = PagedAttention.build(_cache(), [5], 0.3, items, exact=True)
     torch.testing.assert_close(fast(0, q, k, v), ref(0, q, k, v), rtol=0, atol=2e-6)
     assert not calls

@@ -1,13 +1,14 @@
 """Training rollouts on the engine's packed CPU path (``rollout.packed_weights``): the ledger
 prices the copies in the rollout phase, ``auto`` takes what the rollout phase leaves below
 the training peak, the step's rollout runs through the packed GEMMs and frees them after,
-and the rollout/trainer logprob gap stays at fp32 rounding."""
+and the trainer multiplies the same weights on oneDNN: the rollout/trainer logprob gap is 0."""
 
 import pytest
 
 from orbitrl.config import load_config
 from orbitrl.engine.packed import available, packable_bytes
 from orbitrl.ledger import runtime
+from orbitrl.model import gemm
 from orbitrl.rl import rollout as rollout_mod
 from trainer_helpers import make_trainer
 
@@ -60,11 +61,18 @@ def test_a_training_rollout_runs_packed_and_frees_the_copies(mode, monkeypatch):
         return real_packed(unit)
 
     engine.generate, engine.packed.packed = generate, packed
+    trainer_gemms = []
+    real_apply = gemm.OneDNNLinear.apply
+    monkeypatch.setattr(gemm.OneDNNLinear, "apply",
+                        lambda *a: trainer_gemms.append(a[1].shape) or real_apply(*a))
     row = tr.step()
     assert held and held[-1] == want  # every copy made in the rollout
     assert served == {id(u) for u in engine.packed.units}  # and every unit's GEMM ran on it
     assert engine.packed.bytes == 0  # freed after the rollout: not in the train phase
-    assert 0 < row["logprob_mismatch_max"] <= 1e-5  # oneDNN's GEMMs, fp32 attention
+    # the trainer multiplied the same weights on oneDNN (model/gemm.py), LoRA's A and B
+    # too, and the rollout attended in fp64: the logprobs are the trainer's to the bit
+    assert set(map(id, tr.policy.model.rollout_gemms)) >= set(map(id, engine.packed.mods))
+    assert trainer_gemms and row["logprob_mismatch_max"] == 0
     # the copies and one unit's staging while it is packed (the built-in model's fused
     # q/k/v and gate/up groups are concatenated first)
     ws = engine.packed.workspace_bytes

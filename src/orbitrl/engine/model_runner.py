@@ -18,6 +18,7 @@ from orbitrl.engine.packed import PackedLinears
 from orbitrl.engine.paged_attention import KVCache, PagedAttention
 from orbitrl.engine.sequence import Sequence
 from orbitrl.model.decoder import inference_safe
+from orbitrl.model.gemm import onednn_gemms
 from orbitrl.model.moe import ROW_FLOOR, Routing, record_routing, row_count, wants_routing
 
 
@@ -74,8 +75,11 @@ class ModelRunner:
 
         Under ``torch.inference_mode`` where ``decoder.inference_safe`` (about 10% of a
         small model's decode step on a CPU: dispatch overhead), else ``no_grad``."""
+        # a training run's rollout: LoRA's products on oneDNN too, as its trainer's
+        # (model/gemm.py; the packed copies serve the projections themselves)
         with torch.inference_mode() if inference_safe(self.model) else torch.no_grad(), \
-                self.packed or nullcontext():
+                self.packed or nullcontext(), \
+                onednn_gemms(getattr(self.model, "rollout_gemms", ()), mode=False):
             return self._run(items)
 
     def _run(self, items: list[tuple[Sequence, int]]):
@@ -91,17 +95,22 @@ class ModelRunner:
                 done.append(seq)
         dev = self.model.device
         # fp64 attention (model.attention_fp64) makes the rollout's logprobs the trainer's
-        # to the bit, with the trainer's GEMMs; oneDNN's packed GEMMs (packed.py) round
-        # differently anyway, so with them attention stays in fp32 (a third of the time;
-        # ``packed`` is false when nothing would pack: weights made in inference mode)
-        exact = getattr(self.model, "attention_fp64", True) and not self.packed
+        # to the bit, with the trainer's GEMMs. oneDNN's packed GEMMs (packed.py) round
+        # otherwise: with them attention stays in fp64 only where the trainer multiplies
+        # the same weights on oneDNN too (a training run's rollouts: ``rollout_gemms``,
+        # model/gemm.py), else fp32 (``orbitrl generate``: a third of the time). Packed
+        # steps read a GRPO group's shared prompt once (paged_attention.Cascade; ``packed``
+        # is false when nothing would pack: weights made in inference mode)
+        packed = bool(self.packed)
+        exact = getattr(self.model, "attention_fp64", True) and (
+            not packed or bool(getattr(self.model, "rollout_gemms", ())))
         attn = PagedAttention.build(self.cache, self.windows, self.scale,
                                     [(s.block_table, s.num_computed, n) for s, n in items],
-                                    exact=exact, backend=self.backend, softcap=self.softcap)
+                                    exact=exact, backend=self.backend, softcap=self.softcap,
+                                    cascade=packed)
         # mixtures with routing replay: each token's experts, kept per sequence for training
         routing = Routing(record=True) if wants_routing(self.model) else None
         small = dev.type == "cpu" and len(ids) < ROW_FLOOR
-        packed = bool(self.packed)
         if small and getattr(self.model.config, "moe", None) is None:
             # a dense model runs a short step on row_count(N) token rows instead: every GEMM
             # then has the rows RowPadded would give it, without RowPadded's Python call per

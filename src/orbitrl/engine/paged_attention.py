@@ -167,7 +167,10 @@ class PagedAttention:
     @classmethod
     def build(cls, cache: KVCache, windows: list, scale: float,
               items: list[tuple[list[int], int, int]], exact: bool = True,
-              backend: str = "torch", softcap: float | None = None) -> "PagedAttention":
+              backend: str = "torch", softcap: float | None = None,
+              cascade: bool = False) -> "PagedAttention":
+        """``cascade``: decode rows sharing a prompt read it once (:class:`Cascade`, CPU),
+        in fp64 with ``exact``."""
         self = cls(cache, windows, scale, exact, backend, softcap)
         dev, bs = cache.k.device, cache.block_size
         ar = torch.arange(bs, device=dev)
@@ -194,8 +197,8 @@ class PagedAttention:
                 self.dec_idx = slots.reshape(-1)
                 self.dec_shape = (nd, cmax)
                 mapping.append(slots.gather(1, self.dec_pos[:, None])[:, 0])
-                if not exact and softcap is None and dev.type == "cpu":
-                    self.cascade = Cascade.plan(items[:nd], slots, self.dec_pos, bs)
+                if cascade and softcap is None and dev.type == "cpu":
+                    self.cascade = Cascade.plan(items[:nd], slots, self.dec_pos, bs, exact)
         self.prefills, self.prefill_tables = [], []
         t0 = nd
         for table, start, num_new in items[nd:]:
@@ -351,15 +354,20 @@ class Cascade:
     the gathers and SDPA were 2.4 s of a 13.3 s rollout on one core, bound by reading K/V.
 
     Built once per step by :meth:`plan` (None when sharing would save under a quarter of
-    the gathered positions); every layer without a sliding window reuses its indices."""
+    the gathered positions); every layer without a sliding window reuses its indices.
+    ``exact``: fp32 computed in fp64 and rounded, as the trainer's attention
+    (``model.attention.sdpa``): the rollout's logprobs then follow the trainer's where the
+    GEMMs do too (``model/gemm.py``)."""
 
-    def __init__(self, groups, rmax, pmax, q_rows, p_idx, p_mask, s_idx, s_mask, back):
+    def __init__(self, groups, rmax, pmax, q_rows, p_idx, p_mask, s_idx, s_mask, back,
+                 exact: bool = False):
+        self.exact = exact
         self.groups, self.rmax, self.pmax = groups, rmax, pmax
         self.q_rows, self.p_idx, self.p_mask = q_rows, p_idx, p_mask
         self.s_idx, self.s_mask, self.back = s_idx, s_mask, back
 
     @classmethod
-    def plan(cls, items, slots, pos, block_size: int) -> "Cascade | None":
+    def plan(cls, items, slots, pos, block_size: int, exact: bool = False) -> "Cascade | None":
         """items: the decode rows' (block_table, position, 1); slots: [B, C] their context
         slots; pos: [B] their positions. Groups: runs of adjacent rows with the same first
         block; a group's prefix is its common leading blocks, cut to its rows' shortest
@@ -407,16 +415,22 @@ class Cascade:
         s_mask = _additive(ar[None] < length[:, None])
         return cls(ng, rmax, pmax, torch.tensor(q_rows, device=dev), p_idx.reshape(-1),
                    p_mask.to(dev), s_idx.reshape(-1), s_mask.to(dev),
-                   torch.tensor(back, device=dev))
+                   torch.tensor(back, device=dev), exact)
 
     def __call__(self, cache: KVCache, layer: int, q, scale: float):
         """q: [B, Hkv, G, D] -> [B, Hkv, G, D]."""
         b, hkv, g, d = q.shape
         ng, r, p = self.groups, self.rmax, self.pmax
+        out_dtype = q.dtype
+        wide = self.exact and q.dtype == torch.float32
+        if wide:
+            q = q.double()
         if self.p_mask.dtype != q.dtype:  # (the masks in the compute dtype, once per step)
             self.p_mask, self.s_mask = self.p_mask.to(q.dtype), self.s_mask.to(q.dtype)
         qg = q.index_select(0, self.q_rows).view(ng, r, hkv, g, d).transpose(1, 2)
         kp, vp = cache.read(layer, self.p_idx)
+        if wide:
+            kp, vp = kp.double(), vp.double()
         op, lp = _FLASH(qg.reshape(ng, hkv, r * g, d), kp.view(ng, p, hkv, d).transpose(1, 2),
                         vp.view(ng, p, hkv, d).transpose(1, 2), attn_mask=self.p_mask,
                         scale=scale)[:2]
@@ -426,6 +440,8 @@ class Cascade:
         lp = torch.cat([lp.view(ng, hkv, r, g).transpose(1, 2).reshape(ng * r, hkv, g),
                         lp.new_full((1, hkv, g), float("-inf"))]).index_select(0, self.back)
         ks, vs = cache.read(layer, self.s_idx)
+        if wide:
+            ks, vs = ks.double(), vs.double()
         s = self.s_idx.numel() // b
         os_, ls = _FLASH(q, ks.view(b, s, hkv, d).transpose(1, 2),
                          vs.view(b, s, hkv, d).transpose(1, 2), attn_mask=self.s_mask,
@@ -433,7 +449,7 @@ class Cascade:
         m = torch.maximum(lp, ls)
         wp, ws = (lp - m).exp_(), (ls - m).exp_()
         out = (op * wp[..., None] + os_ * ws[..., None]) / (wp + ws)[..., None]
-        return out.to(q.dtype)
+        return out.to(out_dtype)
 
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:

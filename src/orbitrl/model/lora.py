@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from orbitrl.errors import OrbitError
+from orbitrl.model import gemm
 from orbitrl.model.moe import ROUTED_EXPERT, SparseMoE
 from orbitrl.model.quant import FrozenLinear
 
@@ -89,12 +90,18 @@ class LoRALinear(nn.Module):
         if a_w.dtype != x.dtype:  # (a same-dtype .to is a dispatch per call on the hot path)
             a_w, b_w = a_w.to(x.dtype), b_w.to(x.dtype)
         drop = self.lora_dropout
-        a = F.linear(x if isinstance(drop, nn.Identity) else drop(x), a_w)  # [..., r]
+        # (gemm.linear: oneDNN where a training run's rollout and trainer share its rounding)
+        a = gemm.linear(x if isinstance(drop, nn.Identity) else drop(x), a_w)  # [..., r]
         return self._add_delta(y, a, b_w)
 
     def _add_delta(self, y, a, b_w):
         """y + scale * a @ B^T as one GEMM accumulating into y (addmm, beta 1): the sum and
-        the scaling ride in the GEMM's epilogue instead of two passes over [tokens, out]."""
+        the scaling ride in the GEMM's epilogue instead of two passes over [tokens, out].
+        Where B is multiplied on oneDNN (model/gemm.py: a training run whose rollout engine
+        packs its weights), its product, then the scaled sum: MKL's addmm rounds a decode
+        step's few rows otherwise than the trainer's many."""
+        if gemm.routed(b_w):
+            return torch.add(y, gemm.linear(a, b_w), alpha=self.scaling)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), a.reshape(-1, a.shape[-1]), b_w.t(),
                           alpha=self.scaling)
         return out.view(y.shape)

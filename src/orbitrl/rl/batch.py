@@ -32,6 +32,7 @@ import torch
 from orbitrl.ledger.memory import ROW_TOKENS as LEDGER_ROW_TOKENS
 from orbitrl.ledger.memory import first_fit_rows, unit_layout
 from orbitrl.model.decoder import Decoder
+from orbitrl.model.gemm import onednn_gemms
 from orbitrl.model.moe import replay_routing
 from orbitrl.rl.types import Sample
 from orbitrl.train.logprobs import token_logprobs
@@ -168,12 +169,14 @@ def score(model: Decoder, batch: PackedBatch, temperature: float = 1.0,
     replays ``batch.routing`` (the experts the engine used) when the model replays."""
     if routing is None:
         routing = replay_routing(model, batch.routing)
-    hidden = model(batch.input_ids, positions=batch.positions, seq_ids=batch.seq_ids,
-                   parent_ids=batch.parent_ids, return_hidden=True,
-                   routing=routing).flatten(0, 1)[batch.src]
-    out = token_logprobs(hidden, model.lm_head.weight, batch.targets,
-                         temperature=temperature, with_entropy=with_entropy,
-                         softcap=getattr(model.config, "final_softcap", None))
+    # the weights the rollout engine multiplies on oneDNN: here too (model/gemm.py)
+    with onednn_gemms(getattr(model, "rollout_gemms", ())):
+        hidden = model(batch.input_ids, positions=batch.positions, seq_ids=batch.seq_ids,
+                       parent_ids=batch.parent_ids, return_hidden=True,
+                       routing=routing).flatten(0, 1)[batch.src]
+        out = token_logprobs(hidden, model.lm_head.weight, batch.targets,
+                             temperature=temperature, with_entropy=with_entropy,
+                             softcap=getattr(model.config, "final_softcap", None))
     res = (batch.pad(out[0]), batch.pad(out[1])) if with_entropy else (batch.pad(out),)
     if return_hidden:
         res = res + (hidden,)

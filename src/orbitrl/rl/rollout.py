@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
@@ -186,6 +187,13 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     packed = packed_budget(cfg, model, prompt_len, budget // bb, device, devices)
     engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
                     block_size=r.block_size, seed=cfg.train.seed, packed_bytes=packed)
+    # the trainer's forwards run these weights' GEMMs on oneDNN too (rl/batch.score,
+    # model/gemm.py), and both sides LoRA's A and B: the rollout's logprobs then round as
+    # the trainer's do
+    model.rollout_gemms = (tuple(engine.packed.mods) + tuple(
+        m for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B") and isinstance(m, nn.Linear))
+    ) if engine.packed.mods else ()
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan

@@ -26,14 +26,17 @@ import torch
 
 from orbitrl.errors import OrbitError
 from orbitrl.model.attention import soft_cap
+from orbitrl.model.gemm import head_gemm
 
 VOCAB_CHUNK = 8192
 TOKEN_CHUNK = 1024
 
 
-def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float, cap: float | None) -> torch.Tensor:
-    # h: [n, H], w: [v, H] -> fp32 logits [n, v] (soft-capped, scaled by 1/temperature)
-    z = h.float() @ w.float().t()
+def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float, cap: float | None,
+          gemm=None) -> torch.Tensor:
+    # h: [n, H], w: [v, H] -> fp32 logits [n, v] (soft-capped, scaled by 1/temperature);
+    # gemm: model.gemm.head_gemm's oneDNN product (the rollout engine's rounding) or None
+    z = h.float() @ w.float().t() if gemm is None else gemm(h.float(), w.float())
     if cap is not None:  # Gemma's final_logit_softcapping: attention.soft_cap, in place
         z = z.div_(cap).tanh_().mul_(cap)
     return z.mul_(inv_t) if inv_t != 1.0 else z
@@ -41,7 +44,7 @@ def _tile(h: torch.Tensor, w: torch.Tensor, inv_t: float, cap: float | None) -> 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_t, vocab_chunk, token_chunk, cap):
+    def forward(ctx, hidden, weight, targets, inv_t, vocab_chunk, token_chunk, cap, gemm):
         # hidden: [N, H], weight: [V, H], targets: [N] (negative = ignored) -> [N], [N]
         N, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -58,7 +61,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             sz = torch.zeros(t1 - t0, dtype=torch.float32, device=dev)  # sum exp(z - m) z
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(V, v0 + vocab_chunk)
-                z = _tile(h, weight[v0:v1], inv_t, cap)  # [n, v]
+                z = _tile(h, weight[v0:v1], inv_t, cap, gemm)  # [n, v]
                 m_new = torch.maximum(m, z.max(dim=1).values)
                 scale = torch.exp(m - m_new)
                 e = torch.exp(z - m_new[:, None])
@@ -75,14 +78,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             ent[t0:t1] = lse[t0:t1] - sz / s
         logp = torch.where(valid, sel - lse, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.cfg = (inv_t, vocab_chunk, token_chunk, cap)
+        ctx.cfg = (inv_t, vocab_chunk, token_chunk, cap, gemm)
         ctx.mark_non_differentiable(targets)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        inv_t, vocab_chunk, token_chunk, cap = ctx.cfg
+        inv_t, vocab_chunk, token_chunk, cap, gemm = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, V = hidden.shape[0], weight.shape[0]
         dev = hidden.device
@@ -105,7 +108,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             for v0 in range(0, V, vocab_chunk):
                 v1 = min(V, v0 + vocab_chunk)
                 w = weight[v0:v1]
-                z = _tile(h, w, inv_t, cap)  # [n, v]
+                z = _tile(h, w, inv_t, cap, gemm)  # [n, v]
                 # capped: d z / d (h @ w^T) = inv_t * (1 - tanh^2), tanh = z / (inv_t * cap)
                 slope = None if cap is None else 1 - (z / (inv_t * cap)).square_()
                 p = torch.exp(z - l)
@@ -127,7 +130,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w[v0:v1].addmm_(dz.t(), h.float())
                 del dz
         return (grad_h.to(hidden.dtype) if need_h else None,
-                grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None)
+                grad_w.to(weight.dtype) if need_w else None, None, None, None, None, None,
+                None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -166,7 +170,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if y.numel() and int(y.max()) >= weight.shape[0]:
         raise OrbitError(f"target id {int(y.max())} >= vocab size {weight.shape[0]}")
     logp, ent = _ChunkedLogprobs.apply(h, weight, y, 1.0 / temperature, vocab_chunk,
-                                       token_chunk, softcap)
+                                       token_chunk, softcap, head_gemm(weight))
     logp, ent = logp.view(lead), ent.view(lead)
     return (logp, ent) if with_entropy else logp
 

@@ -1,0 +1,145 @@
+"""The trainer's fp32 GEMMs on oneDNN, so that they round as the rollout engine's do.
+
+On a CPU the engine runs its fp32 projections and head through oneDNN's inner product over
+prepacked weights (``engine/packed.py``), the trainer through ``F.linear`` (MKL). The two
+round differently, and 30 layers amplify that into 2-4e-5 of a sampled token's logprob
+(SmolLM2-135M, LoRA). oneDNN's inner product over the plain weight gives the bits of the
+packed copy, whatever the row count (3 to 9,000 rows checked), for any slice of the
+output columns, and for a column-major weight; on 2,048 training rows it also ran faster
+than MKL (11.2 against 16.2 ms at 576 x 960, 686 against 925 ms for SmolLM2's head, two
+threads). So inside :func:`onednn_gemms` a forward's ``F.linear`` over one of the given
+modules' weights (or a slice of one: the chunked head in ``train/logprobs.py`` asks
+:func:`head_gemm`) runs there instead, with or without gradients (:class:`OneDNNLinear`;
+its backward is plain matmuls).
+
+Routed by a ``TorchFunctionMode``, which is per thread: an overlapped rollout's engine
+thread is untouched. Off where this torch build lacks oneDNN, for other dtypes and devices.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_LOCAL = threading.local()
+
+
+def available() -> bool:
+    """Whether this build has oneDNN's inner product (``mkldnn._linear_pointwise``)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
+
+
+def onednn_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` through oneDNN, no autograd (x: [..., K], w: [N, K])."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """``F.linear`` with a oneDNN forward; backward as ``F.linear``'s (MKL matmuls), keeping
+    the input only when the weight needs its gradient (as autograd does for a frozen
+    weight)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x if w.requires_grad else None, w)
+        ctx.bias = b is not None
+        return onednn_mm(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = g.matmul(w)
+        if ctx.needs_input_grad[1] or (ctx.bias and ctx.needs_input_grad[2]):
+            g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[1]:
+                gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+            if ctx.bias and ctx.needs_input_grad[2]:
+                gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _eligible(x, w) -> bool:
+    return (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and w.dim() == 2
+            and x.dim() >= 2 and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.device.type == "cpu" and w.device.type == "cpu")
+
+
+class _Route(TorchFunctionMode):
+    def __init__(self, storages: frozenset):
+        super().__init__()
+        self.storages = storages
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2:
+            x, w = args[0], args[1]
+            if _eligible(x, w) and _storage(w) in self.storages:
+                b = args[2] if len(args) > 2 else kwargs.get("bias")
+                return OneDNNLinear.apply(x, w, b)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def onednn_gemms(modules, mode: bool = True):
+    """Inside, in this thread, ``F.linear`` over the weight of any of ``modules`` (fp32
+    ``nn.Linear`` on a CPU) runs on oneDNN (see the module docstring); nothing changes
+    without oneDNN or modules. ``mode`` False: only the calls that ask (:func:`linear`,
+    :func:`routed`, :func:`head_gemm`), without a ``TorchFunctionMode`` over every op (the
+    engine's decode steps, where the packed copies serve the projections)."""
+    storages = frozenset(_storage(m.weight) for m in modules
+                         if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu")
+    if not storages or not available():
+        yield
+        return
+    before = getattr(_LOCAL, "storages", frozenset())
+    _LOCAL.storages = before | storages
+    try:
+        if mode:
+            with _Route(_LOCAL.storages):
+                yield
+        else:
+            yield
+    finally:
+        _LOCAL.storages = before
+
+
+def routed(w: torch.Tensor) -> bool:
+    """Whether this thread multiplies ``w`` on oneDNN now (inside :func:`onednn_gemms`)."""
+    storages = getattr(_LOCAL, "storages", None)
+    return bool(storages) and w.device.type == "cpu" and _storage(w) in storages
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, on oneDNN where :func:`routed` (with autograd): for products a module
+    computes itself, such as LoRA's A and B (``model/lora.py``)."""
+    if routed(w) and _eligible(x, w):
+        return OneDNNLinear.apply(x, w, b)
+    return F.linear(x, w, b)
+
+
+def head_gemm(weight: torch.Tensor):
+    """``onednn_mm`` when this thread is inside :func:`onednn_gemms` over ``weight`` (a
+    vocabulary projection the chunked logprobs slice), else None."""
+    storages = getattr(_LOCAL, "storages", None)
+    if storages and weight.dtype == torch.float32 and weight.device.type == "cpu" and \
+            _storage(weight) in storages:
+        return _head_tile
+    return None
+
+
+def _head_tile(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # a row slice of a column-major head (Decoder.head_column_major) is strided past its
+    # own width, and oneDNN rounds such an operand otherwise: made contiguous first, the
+    # tile has the bits of the whole head's product (a tile's weight: 19 MB at 8192 x 576)
+    return onednn_mm(h, w if w.is_contiguous() else w.contiguous())
