@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 import traceback
 
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._module.run(args) or 0)
+        code = int(args._module.run(args) or 0)
+        global _RAN
+        _RAN = args.command
+        return code
     except OrbitError as e:
         print(f"orbitrl {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -75,7 +79,19 @@ def entry():
     # every object still alive at exit as a leak (cycles the skipped collection would free)
     if "triton" not in sys.modules:
         gc.freeze()
+        if _RAN in LEAVE_AT_ONCE:
+            # nothing of it is left to write: skip the interpreter's finalisation and
+            # torch's static destructors (0.1 of 0.2 s after `orbitrl generate`)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
     sys.exit(code)
+
+
+# commands that have written and closed everything when they return, and start no thread
+# or process that would need the interpreter's shutdown
+LEAVE_AT_ONCE = ("generate",)
+_RAN: str | None = None  # the command main() ran to completion
 
 
 def _rank_env():

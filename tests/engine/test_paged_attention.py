@@ -88,6 +88,20 @@ def test_an_exact_cascade_rounds_as_the_fp64_gathered_attention():
     assert ((out - want).abs() <= ulp).all()
 
 
+def test_rows_that_are_whole_groups_attend_without_a_gather():
+    """Every row in a group of the same size, in order (n samples of each prompt): the
+    plan takes the rows as the groups' queries as they lie; the result is the same."""
+    items = [([0, 1, 2] + [10 + 3 * i + j for j in range(3)], 13 + i, 1) for i in range(3)]
+    items += [([3, 4] + [30 + 3 * i + j for j in range(3)], 10 + 2 * i, 1) for i in range(3)]
+    q, k, v = _qkv(len(items))
+    fast = PagedAttention.build(_cache(), [None], 0.3, items, exact=False, cascade=True)
+    assert fast.cascade is not None and fast.cascade.whole and fast.cascade.groups == 2
+    assert not PagedAttention.build(_cache(), [None], 0.3, _items(), exact=False,
+                                    cascade=True).cascade.whole
+    ref = PagedAttention.build(_cache(), [None], 0.3, items, exact=True)
+    torch.testing.assert_close(fast(0, q, k, v), ref(0, q, k, v), rtol=0, atol=2e-6)
+
+
 def test_a_prefix_stops_before_a_rows_own_token():
     """A group whose shortest row's context ends inside the shared blocks: the prefix is cut
     there (each row's own token stays in its suffix), the result unchanged."""

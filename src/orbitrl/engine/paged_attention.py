@@ -362,6 +362,10 @@ class Cascade:
     def __init__(self, groups, rmax, pmax, q_rows, p_idx, p_mask, s_idx, s_mask, back,
                  exact: bool = False):
         self.exact = exact
+        # every row in a group of rmax rows, in order (GRPO's n samples of each prompt):
+        # the rows are the groups' queries as they lie, no gather and no filler row
+        self.whole = groups * rmax == back.numel() and bool(
+            (back == torch.arange(back.numel(), device=back.device)).all())
         self.groups, self.rmax, self.pmax = groups, rmax, pmax
         self.q_rows, self.p_idx, self.p_mask = q_rows, p_idx, p_mask
         self.s_idx, self.s_mask, self.back = s_idx, s_mask, back
@@ -427,18 +431,21 @@ class Cascade:
             q = q.double()
         if self.p_mask.dtype != q.dtype:  # (the masks in the compute dtype, once per step)
             self.p_mask, self.s_mask = self.p_mask.to(q.dtype), self.s_mask.to(q.dtype)
-        qg = q.index_select(0, self.q_rows).view(ng, r, hkv, g, d).transpose(1, 2)
+        qg = (q if self.whole else q.index_select(0, self.q_rows)).view(
+            ng, r, hkv, g, d).transpose(1, 2)
         kp, vp = cache.read(layer, self.p_idx)
         if wide:
             kp, vp = kp.double(), vp.double()
         op, lp = _FLASH(qg.reshape(ng, hkv, r * g, d), kp.view(ng, p, hkv, d).transpose(1, 2),
                         vp.view(ng, p, hkv, d).transpose(1, 2), attn_mask=self.p_mask,
                         scale=scale)[:2]
-        # back to rows, one more entry (zeros, log-sum-exp -inf) for rows without a prefix
-        op = torch.cat([op.view(ng, hkv, r, g, d).transpose(1, 2).reshape(ng * r, hkv, g, d),
-                        op.new_zeros(1, hkv, g, d)]).index_select(0, self.back)
-        lp = torch.cat([lp.view(ng, hkv, r, g).transpose(1, 2).reshape(ng * r, hkv, g),
-                        lp.new_full((1, hkv, g), float("-inf"))]).index_select(0, self.back)
+        op = op.view(ng, hkv, r, g, d).transpose(1, 2).reshape(ng * r, hkv, g, d)
+        lp = lp.view(ng, hkv, r, g).transpose(1, 2).reshape(ng * r, hkv, g)
+        if not self.whole:  # back to rows; one more entry (zeros, log-sum-exp -inf) for
+            # the rows without a prefix
+            op = torch.cat([op, op.new_zeros(1, hkv, g, d)]).index_select(0, self.back)
+            lp = torch.cat([lp, lp.new_full((1, hkv, g), float("-inf"))]).index_select(
+                0, self.back)
         ks, vs = cache.read(layer, self.s_idx)
         if wide:
             ks, vs = ks.double(), vs.double()
