@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _RAN
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -49,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         code = int(args._module.run(args) or 0)
-        global _RAN
         _RAN = args.command
         return code
     except OrbitError as e:
