@@ -3,6 +3,8 @@ strings through the Python API."""
 
 import json
 import string
+import subprocess
+import sys
 
 import pytest
 
@@ -149,3 +151,19 @@ def test_the_kv_pool_is_sized_to_the_job(model_dir, tmp_path, capsys):
                  str(out), "--n", "4", "--max-tokens", "12", "--no-progress",
                  "--kv-budget-mb", "1"]) == 0
     assert "/28 " not in capsys.readouterr().err
+
+
+def test_the_console_entry_leaves_at_once_with_the_status_and_the_rows(tmp_path):
+    """`orbitrl generate` leaves through os._exit once its output is written (cli.entry,
+    LEAVE_AT_ONCE): the status of a partial failure, the good rows and both lines printed."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "12+34="}\n{"prompt": ""}\n')
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([sys.executable, "-m", "orbitrl", "generate", "--model",
+                          "builtin:tiny-arith", "--prompts", str(tmp_path / "in.jsonl"),
+                          "--out", str(out), "--n", "2", "--max-tokens", "3",
+                          "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert len(out.read_text().splitlines()) == 2  # the first prompt's two samples
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert err[0].startswith("orbitrl generate: ") and "in.jsonl:2: error" in err[0]
+    assert err[-1].startswith("generated ")
