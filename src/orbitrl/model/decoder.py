@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from orbitrl.model import gemm
 from orbitrl.model.attention import build_mask, dense_attention, soft_cap
 from orbitrl.model.config import ModelConfig
 from orbitrl.model.dtensor import is_dtensor
@@ -395,7 +396,8 @@ class Decoder(nn.Module):
             if recompute:
                 with offload:
                     x = checkpoint(layer, x, c, s, masks, None, routing,
-                                   use_reentrant=False)
+                                   use_reentrant=False,
+                                   context_fn=gemm.checkpoint_contexts)
             else:
                 x = layer(x, c, s, masks, attn, routing)
         x = self.model.norm(x)

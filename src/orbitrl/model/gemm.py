@@ -19,7 +19,7 @@ thread is untouched. Off where this torch build lacks oneDNN, for other dtypes a
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +99,13 @@ def onednn_gemms(modules, mode: bool = True):
     engine's decode steps, where the packed copies serve the projections)."""
     storages = frozenset(_storage(m.weight) for m in modules
                          if m.weight.dtype == torch.float32 and m.weight.device.type == "cpu")
-    if not storages or not available():
+    with _routing(storages if available() else frozenset(), mode):
+        yield
+
+
+@contextmanager
+def _routing(storages: frozenset, mode: bool = True):
+    if not storages:
         yield
         return
     before = getattr(_LOCAL, "storages", frozenset())
@@ -112,6 +118,14 @@ def onednn_gemms(modules, mode: bool = True):
             yield
     finally:
         _LOCAL.storages = before
+
+
+def checkpoint_contexts():
+    """``torch.utils.checkpoint``'s ``context_fn``: a recomputed layer (backward, after the
+    forward's :func:`onednn_gemms` has exited) runs under the routing its forward ran
+    under; else it would multiply on MKL, save other tensors, and checkpoint refuses
+    those (and the gradients would be of other products)."""
+    return nullcontext(), _routing(getattr(_LOCAL, "storages", frozenset()))
 
 
 def routed(w: torch.Tensor) -> bool:
