@@ -47,11 +47,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from orbitrl.model import gemm
+
 
 def available() -> bool:
     """Whether this build has oneDNN's prepacked inner product."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight")
+    return gemm.available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _candidates(model: nn.Module) -> list[nn.Linear]:
@@ -288,9 +289,9 @@ class _Forward:
             return F.linear(x, m.weight, m.bias)
         w, bias, sizes = hit
         if x.dim() >= 2:  # the op flattens the leading dimensions and restores them itself
-            y = torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [None], "")
+            y = gemm.onednn_mm(x, w, bias)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x[None], w, bias, "none", [None], "")[0]
+            y = gemm.onednn_mm(x[None], w, bias)[0]
         if sizes is None:
             return y
         outs = y.split(sizes, -1)

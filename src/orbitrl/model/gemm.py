@@ -145,11 +145,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def head_gemm(weight: torch.Tensor):
     """``onednn_mm`` when this thread is inside :func:`onednn_gemms` over ``weight`` (a
     vocabulary projection the chunked logprobs slice), else None."""
-    storages = getattr(_LOCAL, "storages", None)
-    if storages and weight.dtype == torch.float32 and weight.device.type == "cpu" and \
-            _storage(weight) in storages:
-        return _head_tile
-    return None
+    return _head_tile if weight.dtype == torch.float32 and routed(weight) else None
 
 
 def _head_tile(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
 from orbitrl.engine import Engine, Request, SamplingParams
 from orbitrl.engine.engine import kv_block_bytes
@@ -23,6 +22,7 @@ from orbitrl.errors import OrbitError
 from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
                                     runtime_prediction)
 from orbitrl.model.hf_fallback import HFDecoder
+from orbitrl.model.lora import LoRALinear
 from orbitrl.observe.memory import tensor_bytes
 from orbitrl.rl.parallel import cores, intra_op_threads
 from orbitrl.rl.types import Rollout, Sample
@@ -191,9 +191,8 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     # model/gemm.py), and both sides LoRA's A and B: the rollout's logprobs then round as
     # the trainer's do
     model.rollout_gemms = (tuple(engine.packed.mods) + tuple(
-        m for name, m in model.named_modules()
-        if name.rsplit(".", 1)[-1] in ("lora_A", "lora_B") and isinstance(m, nn.Linear))
-    ) if engine.packed.mods else ()
+        ab for m in model.modules() if isinstance(m, LoRALinear)
+        for ab in (m.lora_A, m.lora_B))) if engine.packed.mods else ()
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan
