@@ -86,7 +86,7 @@ def test_offloaded_activations_move_the_layer_inputs_to_the_host_on_a_gpu():
     t = poff["terms"]["train"]
     live = t["activations:saved"] + t["activations:backward"] + t["activations:logits"]
     big = runtime.largest_tensor_params(shape) * 4
-    update = runtime.update_copies("adalomo") * big
+    update = runtime.update_copies("adalomo", "grouped") * big
     assert poff["train"] - pon["train"] == min(moved, live + big - update) > 0
     assert pon["rollout"] == poff["rollout"] and pon["score"] == poff["score"]
     cpu_on = runtime.runtime_prediction(on, SMOL, 47, recompute=True)
@@ -100,12 +100,30 @@ def test_a_tied_embedding_is_updated_after_the_activations_are_freed():
     the pass); an untied head is updated at the start, beside the activations."""
     shape = from_config(SMOL)
     big = runtime.largest_tensor_params(shape) * 4
-    copies = runtime.update_copies("adalomo")
+    copies = runtime.update_copies("adalomo", "grouped")  # full mode's defaults
     t = runtime.runtime_prediction(cfg("train.mode=full", "train.recompute=true"), SMOL, 47,
                                    recompute=True)["terms"]["train"]
     live = t["activations:saved"] + t["activations:backward"] + t["activations:logits"]
-    assert t["actor:update_workspace"] == max(big, copies * big - live)
+    # the head's gradient, the embedding's and their sum at the accumulation, or the update
+    assert t["actor:update_workspace"] == max(big, max(3, copies) * big - live)
     untied = dict(SMOL, tie_word_embeddings=False)
     u = runtime.runtime_prediction(cfg("train.mode=full", "train.recompute=true"), untied, 47,
                                    recompute=True)["terms"]["train"]
     assert u["actor:update_workspace"] == copies * big
+
+
+def test_the_fused_update_copies_follow_the_clip():
+    """AdaLomo's grouped clip never scales an fp32 gradient (train/optim.py: coefficient 1,
+    ``g.float()`` is ``g``): the gradient and g^2 or u, two tensors of the largest one's
+    size; a global clip adds the scaled copy; SGD holds the gradient and its step."""
+    assert runtime.update_copies("adalomo", "grouped") == 2
+    assert runtime.update_copies("adalomo", "global") == 3
+    assert runtime.update_copies("adalomo", "grouped", "bf16") == 3  # g.float() copies
+    assert runtime.update_copies("sgd", "global") == 2
+    shape = from_config(dict(SMOL, tie_word_embeddings=False))
+    big = runtime.largest_tensor_params(shape) * 4
+    untied = dict(SMOL, tie_word_embeddings=False)
+    grouped = runtime.runtime_prediction(cfg("train.mode=full"), untied, 47)
+    glob = runtime.runtime_prediction(cfg("train.mode=full", "train.clip=global"), untied, 47)
+    assert grouped["terms"]["train"]["actor:update_workspace"] == 2 * big
+    assert glob["terms"]["train"]["actor:update_workspace"] == 3 * big

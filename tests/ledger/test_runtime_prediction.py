@@ -59,7 +59,7 @@ RUNS = [
 # glibc mmap threshold, so a freed tensor's pages go back to the OS at once and the RSS
 # follows the live bytes (otherwise glibc keeps freed heap, and RSS counts it), and MKL's
 # buffer cache off (its GEMM packing buffers are freed after each call instead of kept).
-MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "262144",
+MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "16384",
                "MKL_DISABLE_FAST_MM": "1"}
 
 COMMON = ["train.max_steps=2", "data.heldout_size=4", "log.progress=false", "model.device=cpu",

@@ -41,6 +41,39 @@ def test_onednn_linear_has_the_packed_bits_and_f_linear_gradients():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_row_counts_past_a_batch_are_padded_to_few_buckets_with_the_same_bits(monkeypatch):
+    """oneDNN keeps a primitive per row count it has seen (0.6 MiB each, never freed):
+    past 64 rows a product is padded up to one of 16 row counts per power of two, so the
+    training and prefill GEMMs, whose rows change every step, stay within a few; the
+    padding costs at most 1/16 of the rows and no bits."""
+    assert [gemm.row_bucket(m) for m in (1, 3, 64)] == [1, 3, 64]
+    seen = set()
+    for m in range(65, 4097):
+        r = gemm.row_bucket(m)
+        assert m <= r <= m * (1 + 1 / 16) and r >= gemm.row_bucket(m - 1)
+        seen.add(r)
+    assert len(seen) == 16 * 6  # 64 .. 4096: six powers of two
+    calls = []
+    op = torch.ops.mkldnn._linear_pointwise
+
+    class Ops:
+        @staticmethod
+        def _linear_pointwise(x, *a):
+            calls.append(x.numel() // x.shape[-1])
+            return op(x, *a)
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 80) * 0.1, torch.randn(96)
+    x = torch.randn(2, 200, 80)
+    ref = op(x.reshape(400, 80), w, b, "none", [None], "").view(2, 200, 96)
+    monkeypatch.setattr(gemm.torch.ops, "mkldnn", Ops)
+    for m in (70, 129, 200, 333, 400):
+        y = gemm.onednn_mm(x.reshape(400, 80)[:m], w, b)
+        assert y.shape == (m, 96) and torch.equal(y, ref.reshape(400, 96)[:m])
+    assert torch.equal(gemm.onednn_mm(x, w, b), ref)
+    assert calls == [72, 136, 200, 336, 400, 400]
+
+
 def test_a_frozen_weight_keeps_no_input_for_backward():
     w = torch.randn(64, 32)
     x = torch.randn(50, 32, requires_grad=True)

@@ -26,7 +26,16 @@ def test_the_ledger_prices_the_copies_in_the_rollout_phase_only():
                              "rollout.max_tokens=16", "model.base_dtype=fp32"])
     plain = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64)
     packed = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64, packed_bytes=123456789)
-    state = runtime.PACKED_RUNTIME_BYTES  # oneDNN's, kept after the copies: every phase
+    # oneDNN's state, kept after the copies, in every phase: SmolLM2's 4 projection shapes
+    # (q and o are both 576 x 576) and LoRA's 2 A and 3 B (all linear layers; the 9 a run
+    # multiplies on oneDNN), at 32 decode row counts and 4 of a step's
+    shape = runtime.from_config(SMOL)
+    assert runtime.routed_shapes(shape, 16) == 9 and runtime.routed_shapes(shape) == 4
+    state = runtime.onednn_state_bytes(shape, 16, 32)
+    assert state == runtime.ONEDNN_PRIMITIVE_BYTES * 9 * (32 + 4)
+    # past 64 rows a rollout's decode counts are bucketed (model/gemm.py): 64 + 16 up to 128
+    assert runtime.onednn_state_bytes(shape, 0, 128) == runtime.ONEDNN_PRIMITIVE_BYTES * 4 * (
+        64 + 16 + 4)
     assert packed["rollout"] - plain["rollout"] == 123456789 + state
     assert packed["terms"]["rollout"]["actor:packed_copy"] == 123456789
     for phase in ("score", "train"):

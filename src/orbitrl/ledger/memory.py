@@ -136,6 +136,23 @@ ROW_TOKENS = 64  # the trainer's shortest packed row (rl/batch.py): short sample
 
 
 # ---- the trainer's packed layout on lengths (rl/batch.py lays samples out by these) --------
+# model/gemm.py multiplies on oneDNN at exactly the rows given up to EXACT_ROWS (a decode
+# step's batch), past it at one of ROW_BUCKETS_PER_OCTAVE padded row counts per power of two
+# (at most 1/16 of the product wasted): oneDNN keeps a primitive per row count it has seen
+EXACT_ROWS = 64
+ROW_BUCKETS_PER_OCTAVE = 16
+
+
+def row_bucket(m: int) -> int:
+    """The row count ``m`` rows are multiplied at on oneDNN (model/gemm.py onednn_mm):
+    ``m`` up to EXACT_ROWS, else the next multiple of 1/ROW_BUCKETS_PER_OCTAVE of the power
+    of two below it."""
+    if m <= EXACT_ROWS:
+        return m
+    step = max(1, (1 << ((m - 1).bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
+    return -(-m // step) * step
+
+
 def shares_prompt(prompt: int, completions: list[int], width: int) -> bool:
     """A GRPO group laid out as one copy of its prompt followed by every completion: when
     it fits a row of ``width``, or when its dense attention costs no more than its samples'

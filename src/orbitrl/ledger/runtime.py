@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
-from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, PARAM_BYTES, Strategy, Workload,
-                                   activation_bytes, cap_micro_positions,
+from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, EXACT_ROWS, PARAM_BYTES, Strategy,
+                                   Workload, activation_bytes, cap_micro_positions,
                                    largest_projection_params,
-                                   largest_tensor_params, projection_params, state_bytes)
+                                   largest_tensor_params, projection_params, row_bucket,
+                                   state_bytes)
 from orbitrl.ledger.models import ModelShape, from_config
 
 
@@ -55,6 +56,7 @@ class RunSpec:
     workers: int = 1  # micro-batches scored and trained side by side (train.workers)
     micro_batch_tokens: int = 0  # train.micro_batch_tokens, or the auto choice at 0
     offload_activations: bool = False  # train.offload_activations: saved layer inputs on the host
+    clip: str = "global"  # train.clip resolved (the fused update's copies: update_copies)
 
     @classmethod
     def from_config(cls, cfg, prompt_len: int, devices: int = 1, device: str = "cpu",
@@ -109,7 +111,7 @@ class RunSpec:
                             critic=cfg.algo.name == "ppo" and cfg.critic.kind == "model")
         return cls(strat, work, roles, compute, opt, kv_dtype, tiers, pulled, n, device,
                    cfg.model.dequant_cache_mb << 20, max(1, workers), int(mb_tokens),
-                   bool(t.offload_activations))
+                   bool(t.offload_activations), resolved_clip(t))
 
 
 def fp64_attention(cfg, device: str) -> bool:
@@ -227,11 +229,42 @@ def micro_batch_tokens(cfg, hf_config: dict, device: str = "cpu", recompute: boo
                                workers).micro_batch_tokens
 
 
-# what oneDNN keeps once packed GEMMs have run (its primitive cache, JIT-compiled kernels
-# and scratchpad), after the copies are freed: measured 31 MB on SmolLM2-135M (the RSS after
-# three packed rollouts and their release, against the same rollouts unpacked) and 28-30 MB
-# on the built-in mixture
-PACKED_RUNTIME_BYTES = 32 << 20
+# what oneDNN keeps per product shape it has run, a weight's shape at one row count: its
+# cached primitive and the kernels behind it, never given back (measured: 64 row counts
+# of four SmolLM2 weight shapes, +159.7 MiB; +149.7 MiB with AVX2 only)
+ONEDNN_PRIMITIVE_BYTES = int(0.62 * 2**20)
+# row counts a step's prefill chunks and training micro-batches add beside a rollout's
+# decode rows: their rows are padded to model/gemm.py row_bucket's counts, and a step's
+# fall within a few of them (SmolLM2 example, three steps: 2-3 per weight shape)
+ONEDNN_STEP_BUCKETS = 4
+
+
+def routed_shapes(shape: ModelShape, adapter_rank: int = 0) -> int:
+    """Distinct weight shapes the packed rollouts and the trainer multiply on oneDNN
+    (model/gemm.py): a decoder layer's projections (q, k and v, o, gate and up, down; the
+    tied or column-major head stays on MKL), and with adapters (all linear layers) LoRA's
+    A (one per input width) and B (one per output width)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    h, inter = shape.hidden, shape.intermediate
+    outs_ins = {(q, h), (kv, h), (h, q), (inter, h), (h, inter)}
+    n = len(outs_ins)
+    if adapter_rank:
+        n += len({i for _, i in outs_ins}) + len({o for o, _ in outs_ins})
+    return n
+
+
+def onednn_state_bytes(shape: ModelShape, adapter_rank: int, rows: int) -> int:
+    """What oneDNN holds once a run's packed rollouts and routed training GEMMs have run:
+    every routed weight shape at every decode row count of a rollout (its ``rows`` sequences
+    finish one by one, so each count from ``rows`` down to 1 appears; counts past 64 are
+    bucketed) and at a few padded row counts of prefill and training. A bound the run
+    approaches as its steps go on (the SmolLM2 example, 16 rows, 9 shapes: 171 products
+    after the held-out evaluation and the first rollout, 207 after three steps, 180
+    priced: the evaluation's own row counts are not)."""
+    decode = min(rows, EXACT_ROWS) + len({row_bucket(m) for m in range(EXACT_ROWS + 1,
+                                                                       rows + 1)})
+    return ONEDNN_PRIMITIVE_BYTES * routed_shapes(shape, adapter_rank) * (
+        decode + ONEDNN_STEP_BUCKETS)
 
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,
@@ -256,7 +289,7 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
     ``packed_bytes``: the rollout engine's oneDNN-packed weight copies
     (``rollout.packed_weights``, engine/packed.py), made for each rollout and freed after
     it, with ``packing_workspace`` (the largest unit's staging while it is packed): a
-    rollout-phase term, and ``PACKED_RUNTIME_BYTES`` in every phase.
+    rollout-phase term, and :func:`onednn_state_bytes` in every phase.
 
     ``positions``: the scoring and training activations priced for micro-batches that hold
     this many positions at once over the ``workers`` (a step's own layout, ``rl/batch.py
@@ -280,8 +313,11 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
         # the copies, and the largest unit's contiguous fp32 staging while it is reordered
         # (a column-major head or a concatenated q/k/v group: engine/packed.py)
         terms["rollout"]["actor:packed_copy"] = int(packed_bytes + packing_workspace)
+        strat = spec.strategy
+        state = onednn_state_bytes(shape, strat.adapter_rank if strat.kind == "adapter"
+                                   else 0, spec.workload.samples_per_step)
         for ph in terms.values():  # oneDNN's state, kept from the first rollout on
-            ph["actor:packed_runtime"] = PACKED_RUNTIME_BYTES
+            ph["actor:packed_runtime"] = state
     if spec.devices > 1:
         sharded_runtime_terms(terms, shape, spec.strategy, spec.devices,
                               PARAM_BYTES[spec.compute],
@@ -289,7 +325,8 @@ def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | N
                               or cfg.model.base_dtype == "fp32",
                               prefetch_depth=cfg.dist.prefetch_layers,
                               overlap=device == "cuda",
-                              copies=update_copies(spec.optimizer),
+                              copies=update_copies(spec.optimizer, spec.clip,
+                                                  spec.strategy.grad_dtype),
                               rollout_gathered=cfg.dist.rollout_weights == "gathered")
     if device != "cuda":
         for ph in terms.values():
@@ -310,8 +347,9 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
         # workspace, below) while the last k layers are still hot from the forward, and a
         # layer's backward (2 + k layers hot, a projection-sized workspace)
         lw = shape.gathered_layer_params * strat.bytes_per_param()
-        ws = update_copies(opt) * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
-        ws_layer = update_copies(opt) * largest_projection_params(shape) \
+        copies = update_copies(opt, spec.clip, strat.grad_dtype)
+        ws = copies * largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
+        ws_layer = copies * largest_projection_params(shape) \
             * PARAM_BYTES[strat.grad_dtype]
         terms["train"]["comm_buffers:gather"] = int(
             max(tiers * lw + ws, (tiers + 2) * lw + ws_layer) - ws)
@@ -346,17 +384,21 @@ def _runtime_terms(terms: dict, host: dict, shape: ModelShape, spec: RunSpec):
     if strat.kind == "stateless":
         # one process, the update fused into backward per parameter (not per gathered
         # layer): the largest trained tensor's gradient plus the update's temporaries of its
-        # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy and then g^2 or
-        # the update u, one at a time). A tied embedding is that tensor's last gradient
-        # (the embedding's backward ends the pass): its head gradient is held through the
-        # backward beside the saved activations, and its update runs after they are freed
+        # size (train/optim.py: SGD one clipped copy; AdaLomo a clipped copy where it clips
+        # globally, and g^2 or the update u, one at a time). A tied embedding is that
+        # tensor's last gradient (the embedding's backward ends the pass): its head gradient
+        # is held through the backward beside the saved activations; the embedding's own
+        # gradient is then added to it out of place (autograd's accumulation: the two and
+        # their sum, three of its size) and the update runs, after the activations are
+        # freed (SmolLM2 full mode: 335 MiB above what the step holds at the end of the
+        # train phase, three times its 110 MiB embedding)
         terms["train"].pop("actor:layer_grad", None)
         big = largest_tensor_params(shape) * PARAM_BYTES[strat.grad_dtype]
-        update = update_copies(opt) * big
+        update = update_copies(opt, spec.clip, strat.grad_dtype) * big
         if shape.tie_embeddings and shape.vocab * shape.hidden >= largest_tensor_params(shape):
             live = sum(terms["train"].get(f"activations:{k}", 0)
                        for k in ("saved", "backward", "logits"))
-            update = max(big, update - live)
+            update = max(big, max(3 * big, update) - live)
         terms["train"]["actor:update_workspace"] = int(update)
     # a frozen projection is dequantized to the compute dtype per call (forward, and again in
     # backward): the workspace of the largest projection is live on top of everything else,
@@ -444,10 +486,24 @@ def kv_pool_for_run(cfg, hf_config: dict, prompt_len: int, block_bytes: int, *,
             "left": int(left)}
 
 
-def update_copies(optimizer: str) -> int:
-    """Tensors the size of the one being updated, alive at once inside a fused update: its
-    gradient plus one clipped fp32 copy (SGD), plus g^2 or the update u (AdaLomo)."""
-    return 3 if optimizer == "adalomo" else 2
+def update_copies(optimizer: str, clip: str = "global", grad_dtype: str = "fp32") -> int:
+    """Tensors the size of the one being updated, alive at once inside a fused update
+    (train/optim.py): its gradient plus one scaled fp32 copy (SGD: the clipped or decayed
+    step), plus g^2 or the update u (AdaLomo). AdaLomo's grouped clip never scales an fp32
+    gradient (its coefficient is 1, so ``g.float()`` is ``g``): the gradient and g^2 or u,
+    two (measured: a 30M-parameter full run's train phase 15 MiB under the three-copy
+    price, its largest tensor 12 MiB)."""
+    if optimizer != "adalomo":
+        return 2
+    return 2 if clip == "grouped" and grad_dtype == "fp32" else 3
+
+
+def resolved_clip(train) -> str:
+    """``train.clip`` as ``train/optim.py build_optimizer`` resolves it: auto is grouped for
+    AdaLomo (the full-mode default), global otherwise."""
+    opt = train.optimizer if train.optimizer != "auto" else \
+        ("adamw" if train.mode == "adapter" else "adalomo")
+    return train.clip if train.clip != "auto" else ("grouped" if opt == "adalomo" else "global")
 
 
 def sharded_runtime_terms(terms: dict, shape: ModelShape, strategy: Strategy, n: int,

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from orbitrl.ledger.memory import row_bucket
+
 _LOCAL = threading.local()
 
 
@@ -34,9 +36,27 @@ def available() -> bool:
                                                             "_linear_pointwise")
 
 
+# oneDNN keeps a primitive, and the kernels behind it, for every row count it has multiplied
+# a weight shape by (0.6 MiB each, never given back: ledger/runtime.py onednn_state_bytes).
+# A decode step has at most a batch of rows; prefill chunks and training micro-batches
+# change their row count every step, so past EXACT_ROWS they are padded up to row_bucket's
+# counts (ledger/memory.py, which prices them): each row's product does not depend on the
+# others (the row-invariance above), so the bits do not move.
+
+
 def onednn_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` through oneDNN, no autograd (x: [..., K], w: [N, K])."""
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+    """``F.linear(x, w, b)`` through oneDNN, no autograd (x: [..., K], w: [N, K]); rows
+    padded to :func:`row_bucket` (the padding's rows are dropped)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    mb = row_bucket(m)
+    if mb == m:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+    xp = x.new_empty(mb, k)
+    xp[:m] = x.reshape(m, k)
+    xp[m:].zero_()
+    y = torch.ops.mkldnn._linear_pointwise(xp, w, b, "none", [None], "")
+    return y[:m].view(*x.shape[:-1], w.shape[0])
 
 
 class OneDNNLinear(torch.autograd.Function):

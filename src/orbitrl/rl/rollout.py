@@ -19,7 +19,7 @@ from orbitrl.engine.governor import available_memory
 from orbitrl.engine.hf_generate import HFEngine
 from orbitrl.engine.packed import packing_units, staging_bytes, unit_bytes
 from orbitrl.errors import OrbitError
-from orbitrl.ledger.runtime import (PACKED_RUNTIME_BYTES, engine_kv_dtype, kv_pool_for_run,
+from orbitrl.ledger.runtime import (engine_kv_dtype, kv_pool_for_run,
                                     runtime_prediction)
 from orbitrl.model.hf_fallback import HFDecoder
 from orbitrl.model.lora import LoRALinear
@@ -217,7 +217,7 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
     it), so the ledger prices them in the rollout phase only (and oneDNN's state, kept after
     them, in every phase): ``auto`` takes what the predicted rollout phase leaves below the
     predicted training peak (less one unit's staging), so the copies never raise the run's
-    peak (oneDNN's state does, by ``PACKED_RUNTIME_BYTES``), when that is at least
+    peak (oneDNN's state does: ledger/runtime.py onednn_state_bytes), when that is at least
     ``PACKED_MIN_BYTES``; only for a colocated run in one process on a CPU (with the rollout
     beside training, or on rollout ranks that sync weights, the copies would sit beside
     training's memory or be remade at every sync)."""
@@ -240,8 +240,8 @@ def packed_budget(cfg, model, prompt_len: int, kv_blocks: int, device, devices: 
     return min(packable, left) if left >= PACKED_MIN_BYTES else 0
 
 
-# auto packs a model whose copies would take at least this: 8x the state oneDNN keeps
-# afterwards (ledger/runtime.py PACKED_RUNTIME_BYTES), so that state stays small beside what
-# packing buys (a few-row GEMM streams its weight 2-3x faster packed, engine/packed.py);
-# below it, as for the built-in models, the rollout runs on the trainer's GEMMs, bit-equal
-PACKED_MIN_BYTES = 8 * PACKED_RUNTIME_BYTES
+# auto packs a model whose copies would take at least this (a few-row GEMM streams its
+# weight 2-3x faster packed, engine/packed.py), so that oneDNN's state stays small beside
+# what packing buys; below it, as for the built-in models, the rollout runs on the
+# trainer's GEMMs, bit-equal
+PACKED_MIN_BYTES = 256 << 20
