@@ -57,7 +57,8 @@ RUNS = [
 
 # The measurement conditions (see docs/planner.md, "Predicted against measured"): a fixed
 # glibc mmap threshold, so a freed tensor's pages go back to the OS at once and the RSS
-# follows the live bytes (otherwise glibc keeps freed heap, and RSS counts it), and MKL's
+# follows the live bytes (otherwise glibc keeps freed heap, and RSS counts it; 16 KiB, as a
+# small model's activations of a few hundred KiB would fragment the heap below 256), and MKL's
 # buffer cache off (its GEMM packing buffers are freed after each call instead of kept).
 MEASURE_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "16384",
                "MKL_DISABLE_FAST_MM": "1"}
