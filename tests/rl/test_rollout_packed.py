@@ -27,14 +27,14 @@ def test_the_ledger_prices_the_copies_in_the_rollout_phase_only():
     plain = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64)
     packed = runtime.runtime_prediction(cfg, SMOL, 47, kv_blocks=64, packed_bytes=123456789)
     # oneDNN's state, kept after the copies, in every phase: SmolLM2's 4 projection shapes
-    # (q and o are both 576 x 576) and LoRA's 2 A and 3 B (all linear layers; the 9 a run
-    # multiplies on oneDNN), at 32 decode row counts and 4 of a step's
+    # (q and o are both 576 x 576), its head, and LoRA's 2 A and 3 B (all linear layers),
+    # at 32 decode row counts and 4 of a step's
     shape = runtime.from_config(SMOL)
-    assert runtime.routed_shapes(shape, 16) == 9 and runtime.routed_shapes(shape) == 4
+    assert runtime.routed_shapes(shape, 16) == 10 and runtime.routed_shapes(shape) == 5
     state = runtime.onednn_state_bytes(shape, 16, 32)
-    assert state == runtime.ONEDNN_PRIMITIVE_BYTES * 9 * (32 + 4)
+    assert state == runtime.ONEDNN_PRIMITIVE_BYTES * 10 * (32 + 4)
     # past 64 rows a rollout's decode counts are bucketed (model/gemm.py): 64 + 16 up to 128
-    assert runtime.onednn_state_bytes(shape, 0, 128) == runtime.ONEDNN_PRIMITIVE_BYTES * 4 * (
+    assert runtime.onednn_state_bytes(shape, 0, 128) == runtime.ONEDNN_PRIMITIVE_BYTES * 5 * (
         64 + 16 + 4)
     assert packed["rollout"] - plain["rollout"] == 123456789 + state
     assert packed["terms"]["rollout"]["actor:packed_copy"] == 123456789
@@ -87,6 +87,29 @@ def test_a_training_rollout_runs_packed_and_frees_the_copies(mode, monkeypatch):
     ws = engine.packed.workspace_bytes
     assert 0 < ws < want
     assert tr.mem.prediction["terms"]["rollout"]["actor:packed_copy"] == want + ws
+
+
+def test_what_the_budget_leaves_out_runs_on_onednn_over_its_plain_weight(monkeypatch):
+    """A rollout packs what fits its budget (SmolLM2's head stays out under auto); the rest
+    multiplies on oneDNN over its plain weights in the engine, and in the trainer too, so
+    the logprobs are still the trainer's to the bit (on MKL at a decode step's rows they
+    were not: SmolLM2's gap 1.5-2.3e-5 with the head left out)."""
+    real_budget = rollout_mod.packed_budget
+    monkeypatch.setattr(rollout_mod, "packed_budget",
+                        lambda *a: real_budget(*a) // 2)  # half of every unit's bytes
+    tr = make_trainer(*SMALL, "rollout.packed_weights=on")
+    packed = tr.engine.packed
+    assert packed.mods and packed.plain  # some packed, the rest left out
+    plain = {id(m.weight) for m in packed.plain}
+    ran = set()
+    real_mm = gemm.onednn_mm
+    monkeypatch.setattr(gemm, "onednn_mm", lambda x, w, b=None: ran.add(id(w)) or
+                        real_mm(x, w, b))
+    row = tr.step()
+    assert plain <= ran  # the left-out weights' GEMMs ran on oneDNN (engine and trainer)
+    routed = set(map(id, tr.policy.model.rollout_gemms))
+    assert {id(m) for m in packed.plain} <= routed
+    assert row["logprob_mismatch_max"] == 0
 
 
 def _prompt_len(tr) -> int:

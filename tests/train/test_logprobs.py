@@ -126,3 +126,38 @@ def test_column_major_head_gradient_built_in_place():
         (out[0] if isinstance(out, tuple) else out).sum().backward()
     assert col.grad.stride() == (1, V) and seen == [col.grad.data_ptr()]
     assert torch.allclose(col.grad, row.grad, atol=1e-6)
+
+
+def test_a_tokens_logprob_rounds_as_the_rollout_samplers_at_large_logits():
+    # the rollout's sampler (one pass over the vocabulary) and the trainer (chunked,
+    # online) both take (z_y - max) - log(sum): z_y - lse would round at lse's magnitude
+    # (logits of 40-60, as SmolLM2's: an ulp of 3.8e-6) and differ there whenever the two
+    # sums' last bits do. Integer hidden states and weights make the logits exact on both
+    # sides, so all that differs is the order of the sums
+    from orbitrl.engine.sampler import sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, hid = 256, 20000, 64
+    h = torch.randint(0, 3, (rows, hid), generator=g).float()
+    w = torch.randint(-1, 2, (vocab, hid), generator=g).float()
+    h[:, 0], w[:, 0] = 10.0, 2.0  # every logit 20 higher: a max of 40-60 on most rows
+    logits = h @ w.t()
+    assert float(logits.max(-1).values.median()) >= 40
+    u = torch.rand(rows, generator=g).clamp_(1e-6, 1 - 1e-6)
+    tokens, _, raw = sample_rows(logits, torch.ones(rows), torch.zeros(rows, dtype=torch.bool),
+                                 u, all_raw=True, any_greedy=False)
+    ours = token_logprobs(h, w, tokens)  # three vocabulary chunks
+    assert float((ours - raw).abs().max()) <= 1e-6
+    # the other order: z_y - lse with lse summed in one pass and chunk by chunk (online, as
+    # the trainer sums) differs by an ulp of lse (3.8e-6) on some of these rows
+    mx = logits.amax(-1)
+    one_pass = mx + (logits - mx[:, None]).exp().sum(-1).log()
+    m, s = torch.full((rows,), float("-inf")), torch.zeros(rows)
+    for v0 in range(0, vocab, 8192):
+        z = logits[:, v0:v0 + 8192]
+        m_new = torch.maximum(m, z.amax(-1))
+        s = s * torch.exp(m - m_new) + (z - m_new[:, None]).exp().sum(-1)
+        m = m_new
+    chunked = m + s.log()
+    z_y = logits.gather(1, tokens[:, None])[:, 0]
+    assert float(((z_y - one_pass) - (z_y - chunked)).abs().max()) >= 3e-6

@@ -154,7 +154,6 @@ def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tens
         shifted = logits - mx
         e = shifted.exp()
     raw_total = e.sum(-1)
-    lse = mx[:, 0] + raw_total.log()
     if all_raw and top_k is None:
         x, w, total = shifted, e, raw_total
     else:
@@ -165,7 +164,9 @@ def sample_rows(logits: torch.Tensor, inv_temp: torch.Tensor, greedy: torch.Tens
         total = w.sum(-1)
     drawn = _invert_cdf(w, u * total)
     tokens = torch.where(greedy, logits.argmax(-1), drawn) if any_greedy else drawn
-    raw = logits.gather(1, tokens[:, None])[:, 0] - lse
+    # (z_y - max) - log(sum): the trainer's order (train/logprobs.py); z_y - lse rounds at
+    # lse's magnitude (SmolLM2's logits: 40-60, an ulp of 3.8e-6), log(sum)'s at its own
+    raw = shifted.gather(1, tokens[:, None])[:, 0] - raw_total.log()
     if all_raw and top_k is None and not any_greedy:  # every row plain: lp is raw
         return tokens, raw, raw
     lp = x.gather(1, tokens[:, None])[:, 0] - total.log()

@@ -241,13 +241,13 @@ ONEDNN_STEP_BUCKETS = 4
 
 def routed_shapes(shape: ModelShape, adapter_rank: int = 0) -> int:
     """Distinct weight shapes the packed rollouts and the trainer multiply on oneDNN
-    (model/gemm.py): a decoder layer's projections (q, k and v, o, gate and up, down; the
-    tied or column-major head stays on MKL), and with adapters (all linear layers) LoRA's
-    A (one per input width) and B (one per output width)."""
+    (model/gemm.py, engine/packed.py: packed or over the plain weight): a decoder layer's
+    projections (q, k and v, o, gate and up, down) and the head, and with adapters (all
+    linear layers) LoRA's A (one per input width) and B (one per output width)."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     h, inter = shape.hidden, shape.intermediate
     outs_ins = {(q, h), (kv, h), (h, q), (inter, h), (h, inter)}
-    n = len(outs_ins)
+    n = len(outs_ins | {(shape.vocab, h)})
     if adapter_rank:
         n += len({i for _, i in outs_ins}) + len({o for o, _ in outs_ins})
     return n
@@ -258,9 +258,9 @@ def onednn_state_bytes(shape: ModelShape, adapter_rank: int, rows: int) -> int:
     every routed weight shape at every decode row count of a rollout (its ``rows`` sequences
     finish one by one, so each count from ``rows`` down to 1 appears; counts past 64 are
     bucketed) and at a few padded row counts of prefill and training. A bound the run
-    approaches as its steps go on (the SmolLM2 example, 16 rows, 9 shapes: 171 products
-    after the held-out evaluation and the first rollout, 207 after three steps, 180
-    priced: the evaluation's own row counts are not)."""
+    approaches as its steps go on (the SmolLM2 example, 16 rows, 9 shapes before its head
+    ran on oneDNN: 171 products after the held-out evaluation and the first rollout, 207
+    after three steps, 180 priced; the evaluation's own row counts are not)."""
     decode = min(rows, EXACT_ROWS) + len({row_bucket(m) for m in range(EXACT_ROWS + 1,
                                                                        rows + 1)})
     return ONEDNN_PRIMITIVE_BYTES * routed_shapes(shape, adapter_rank) * (

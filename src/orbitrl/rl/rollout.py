@@ -190,7 +190,7 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     # the trainer's forwards run these weights' GEMMs on oneDNN too (rl/batch.score,
     # model/gemm.py), and both sides LoRA's A and B: the rollout's logprobs then round as
     # the trainer's do
-    model.rollout_gemms = (tuple(engine.packed.mods) + tuple(
+    model.rollout_gemms = (tuple(engine.packed.mods) + tuple(engine.packed.plain) + tuple(
         ab for m in model.modules() if isinstance(m, LoRALinear)
         for ab in (m.lora_A, m.lora_B))) if engine.packed.mods else ()
     if plan is not None:

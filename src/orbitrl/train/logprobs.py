@@ -74,9 +74,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     zy = z.gather(1, idx[:, None])[:, 0]
                     sel[t0:t1] = torch.where(hit, zy, sel[t0:t1])
                 del z, e
-            lse[t0:t1] = m + torch.log(s)
+            log_s = torch.log(s)
+            lse[t0:t1] = m + log_s
             ent[t0:t1] = lse[t0:t1] - sz / s
-        logp = torch.where(valid, sel - lse, torch.zeros_like(lse))
+            # (z_y - max) - log(sum), not z_y - lse: lse rounds at its magnitude (SmolLM2's
+            # logits: 40-60, an ulp of 3.8e-6), and the rollout's sampler subtracts in
+            # this order too (engine/sampler.py): the two round alike
+            sel[t0:t1] = (sel[t0:t1] - m) - log_s
+        logp = torch.where(valid, sel, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.cfg = (inv_t, vocab_chunk, token_chunk, cap, gemm)
         ctx.mark_non_differentiable(targets)
