@@ -128,7 +128,7 @@ class RolloutSection:
     overlap: bool = False  # one step off-policy: rollout of step k+1 runs beside training k
     queue_size: int = 1  # overlap, and schedule.shape async: rollouts generated ahead of training at most (the data queue's bound)
     threads: int = 0  # intra-op CPU threads of a rollout; 0 = auto: every core when the rollout runs alone on packed weights (a colocated one-process CPU run, rollout.packed_weights in use, train.threads 1), else train.threads
-    packed_weights: Literal["auto", "on", "off"] = "auto"  # CPU, fp32: the engine's oneDNN-packed copies of the plain fp32 projections (engine/packed.py), made for each rollout and freed after it; auto: as many as fit below the predicted training peak (the copy never raises the run's peak; colocated one-process runs only), on: all of them (priced in the rollout phase), off: none; the trainer then multiplies the packed weights on oneDNN too, and the rollout attends in fp64 (model/gemm.py: the logprobs round as the trainer's)
+    packed_weights: Literal["auto", "on", "off"] = "auto"  # CPU, fp32: the engine's oneDNN-packed copies of the plain fp32 projections (engine/packed.py), made for each rollout and freed after it; auto: as many as fit below the predicted training peak (the copy never raises the run's peak; colocated one-process runs only), on: all of them (priced in the rollout phase), off: none; what the budget leaves out runs on oneDNN over its plain weight, and the trainer multiplies the same weights on oneDNN too, and the rollout attends in fp64 (model/gemm.py: the logprobs round as the trainer's)
 
     def __post_init__(self):
         _require(self, "rollout", ("kv_budget_mb", "min_available_mb"), lambda v: v >= 0,

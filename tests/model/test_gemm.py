@@ -74,6 +74,21 @@ def test_row_counts_past_a_batch_are_padded_to_few_buckets_with_the_same_bits(mo
     assert calls == [72, 136, 200, 336, 400, 400]
 
 
+def test_a_lone_row_is_padded_to_two_and_keeps_a_batchs_bits():
+    # over a plain weight oneDNN takes one row as a matrix-vector product, which rounds
+    # otherwise (the trainer's last token chunk, a one-row engine step)
+    torch.manual_seed(0)
+    w, b = torch.randn(576, 1536), torch.randn(576)
+    x = torch.randn(64, 1536)
+    ref = gemm.onednn_mm(x, w, b)
+    one = torch.ops.mkldnn._linear_pointwise(x[:1].clone(), w, b, "none", [None], "")
+    assert not torch.equal(one, ref[:1])  # what the floor is for
+    assert torch.equal(gemm.onednn_mm(x[:1], w, b), ref[:1])
+    assert torch.equal(gemm.onednn_mm(x[0], w, b), ref[0])  # a 1-D input too
+    pk = torch.ops.mkldnn._reorder_linear_weight(w, 64)  # a packed copy: the same
+    assert torch.equal(gemm.onednn_mm(x[:1], pk, b), ref[:1])
+
+
 def test_a_frozen_weight_keeps_no_input_for_backward():
     w = torch.randn(64, 32)
     x = torch.randn(50, 32, requires_grad=True)

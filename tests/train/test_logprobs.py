@@ -131,9 +131,9 @@ def test_column_major_head_gradient_built_in_place():
 def test_a_tokens_logprob_rounds_as_the_rollout_samplers_at_large_logits():
     # the rollout's sampler (one pass over the vocabulary) and the trainer (chunked,
     # online) both take (z_y - max) - log(sum): z_y - lse would round at lse's magnitude
-    # (logits of 40-60, as SmolLM2's: an ulp of 3.8e-6) and differ there whenever the two
-    # sums' last bits do. Integer hidden states and weights make the logits exact on both
-    # sides, so all that differs is the order of the sums
+    # (SmolLM2's reach 38 in a chat reply; here 40-60: an ulp of 3.8e-6) and differ there
+    # whenever the two sums' last bits do. Integer hidden states and weights make the
+    # logits exact on both sides, so all that differs is the order of the sums
     from orbitrl.engine.sampler import sample_rows
 
     g = torch.Generator().manual_seed(0)

@@ -107,8 +107,9 @@ class Engine:
             engine's attention runs in fp32 (fp64 buys bit-equality with the trainer's
             logprobs only with the trainer's GEMMs) and the sampler keeps its [B, V]
             buffers between steps. An RL run's rollout engine passes the budget
-            ``rollout.packed_weights`` gives (rl/rollout.py ``packed_budget``) and frees
-            the copies after each rollout (``release_packed``).
+            ``rollout.packed_weights`` gives (rl/rollout.py ``packed_budget``), runs what
+            it leaves out on oneDNN over the plain weights (``packed.route_plain()``) and
+            frees the copies after each rollout (``release_packed``).
         attention_backend: paged attention: "triton" (the kernels of attention_kernels.py,
             reading K/V blocks in place, a GRPO group's shared prompt once), "torch" (gather
             + SDPA: the reference; on a CPU fp64 with the trainer's GEMMs, fp32 with packed

@@ -32,7 +32,8 @@ budget (``Engine(packed_bytes=...)``, 1 GiB by default; taken in turn, the rest 
 ``F.linear``). An RL run's rollout engine gets the budget ``rollout.packed_weights`` sets
 (``rl/rollout.py packed_budget``: by default what the rollout phase leaves below the
 predicted training peak), the ledger prices the copy in the rollout phase, and the run
-frees it after each rollout (``Engine.release_packed``). Nothing is packed while the model has
+frees it after each rollout (``Engine.release_packed``); there the rest run on oneDNN over
+their plain weights (``PackedLinears.route_plain``), as its trainer multiplies them. Nothing is packed while the model has
 forward hooks (layer tiers and sharding swap weights in through them), for weights made
 under ``torch.inference_mode``, or for calls that need gradients; any other thread gets
 ``F.linear`` as before.
@@ -112,7 +113,8 @@ def _units(model: nn.Module, mods: list[nn.Linear]) -> list[tuple[nn.Linear, ...
 class PackedLinears:
     """Context manager over a model's fp32 ``nn.Linear`` modules on a CPU (see the module
     docstring). ``budget_bytes``: the packing units are taken in turn while their
-    weights fit it (the rest run through ``F.linear``); 0 turns it off. ``bytes``:
+    weights fit it (the rest run through ``F.linear``, or :meth:`route_plain`); 0 turns it
+    off. ``bytes``:
     what the packed copies hold now; ``planned_bytes``: what they hold when all are made."""
 
     # the batch the weight layout is tuned for (any row count runs): interleaved timings of
@@ -139,18 +141,13 @@ class PackedLinears:
             size += unit_bytes(unit)
         kept = {id(m) for unit in self.units for m in unit}
         self.mods = [m for m in mods if id(m) in kept]  # (in the model's order)
-        # the candidates the budget left out (a training run's rollout packs what fits below
-        # its training peak: SmolLM2's 113 MB head stays out) run on oneDNN over their plain
-        # weights: the packed copies' bits (model/gemm.py), so a training run's trainer can
-        # round as they do (rl/rollout.py ``rollout_gemms``), and faster than MKL at a decode
-        # step's rows (SmolLM2's column-major head: 14.3 against 29.9 ms at 32 rows)
-        self.plain = [m for m in mods if id(m) not in kept] if self.mods else []
+        self._left_out = [m for m in mods if id(m) not in kept] if self.mods else []
+        self.plain: list[nn.Linear] = []  # see route_plain
         self.planned_bytes = size  # what the copies hold once every unit is packed
         self.workspace_bytes = staging_bytes(self.units)
         self._unit_of = {id(u): u for u in self.units}
         self._forwards = [(m, _Forward(self, unit, i)) for unit in self.units
-                          for i, m in enumerate(unit)] + [
-            (m, _Plain(self, m)) for m in self.plain]  # made once
+                          for i, m in enumerate(unit)]  # made once
         self.active = bool(self.mods)
         # id(unit) -> (keys, fingerprint, packed weight, bias or None, member widths)
         self._packed: dict[int, tuple] = {}
@@ -160,6 +157,20 @@ class PackedLinears:
         self._checked: dict[int, tuple] = {}
         self._thread = None
         self.seconds = 0.0  # spent making copies and checking them
+
+    def route_plain(self) -> list[nn.Linear]:
+        """Run the candidates the budget left out on oneDNN over their plain weights while
+        packed, and return them. A training run's rollout (rl/rollout.py) packs what fits
+        below its training peak (SmolLM2's 113 MB head stays out) and its trainer
+        multiplies the same weights on oneDNN (``model.rollout_gemms``): there these give
+        the packed copies' bits (model/gemm.py) where MKL rounds by row count, and run
+        faster than MKL at a decode step's rows (SmolLM2's column-major head: 14.3 against
+        29.9 ms at 32 rows). Elsewhere (``orbitrl generate``) they stay on ``F.linear``:
+        oneDNN keeps state per weight shape and row count that only a training run prices."""
+        if not self.plain:
+            self.plain = list(self._left_out)
+            self._forwards += [(m, _Plain(self, m)) for m in self.plain]
+        return self.plain
 
     @property
     def bytes(self) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from orbitrl.errors import OrbitError
 from orbitrl.ledger.bill import RoleOptions, phase_terms
 from orbitrl.ledger.kv import blocks_for_tokens
-from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, EXACT_ROWS, PARAM_BYTES, Strategy,
+from orbitrl.ledger.memory import (DEQUANT_WORKSPACE, EXACT_ROWS, LOGIT_VOCAB_CHUNK,
+                                   PARAM_BYTES, Strategy,
                                    Workload, activation_bytes, cap_micro_positions,
                                    largest_projection_params,
                                    largest_tensor_params, projection_params, row_bucket,
@@ -257,14 +258,20 @@ def onednn_state_bytes(shape: ModelShape, adapter_rank: int, rows: int) -> int:
     """What oneDNN holds once a run's packed rollouts and routed training GEMMs have run:
     every routed weight shape at every decode row count of a rollout (its ``rows`` sequences
     finish one by one, so each count from ``rows`` down to 1 appears; counts past 64 are
-    bucketed) and at a few padded row counts of prefill and training. A bound the run
+    bucketed) and at a few padded row counts of prefill and training (where the head
+    runs in vocabulary tiles, their shapes too). A bound the run
     approaches as its steps go on (the SmolLM2 example, 16 rows, 9 shapes before its head
     ran on oneDNN: 171 products after the held-out evaluation and the first rollout, 207
     after three steps, 180 priced; the evaluation's own row counts are not)."""
     decode = min(rows, EXACT_ROWS) + len({row_bucket(m) for m in range(EXACT_ROWS + 1,
                                                                        rows + 1)})
-    return ONEDNN_PRIMITIVE_BYTES * routed_shapes(shape, adapter_rank) * (
-        decode + ONEDNN_STEP_BUCKETS)
+    # the trainer multiplies a vocabulary past one logprob tile tile by tile
+    # (train/logprobs.py): one more shape, two when the last tile is narrower
+    v, h = shape.vocab, shape.hidden
+    tiles = len({(LOGIT_VOCAB_CHUNK, h), (v % LOGIT_VOCAB_CHUNK or LOGIT_VOCAB_CHUNK, h)}) \
+        if v > LOGIT_VOCAB_CHUNK else 0
+    return ONEDNN_PRIMITIVE_BYTES * (routed_shapes(shape, adapter_rank) * (
+        decode + ONEDNN_STEP_BUCKETS) + tiles * ONEDNN_STEP_BUCKETS)
 
 
 def runtime_prediction(cfg, hf_config: dict, prompt_len: int, kv_blocks: int | None = None,

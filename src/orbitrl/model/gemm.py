@@ -44,12 +44,18 @@ def available() -> bool:
 # others (the row-invariance above), so the bits do not move.
 
 
+# oneDNN multiplies one row over a plain weight as a matrix-vector product, whose bits
+# differ from the same row in a batch (2.7e-5 to 1.0e-4 on SmolLM2's shapes) and from a
+# packed copy's: a lone row is padded to two
+MIN_ROWS = 2
+
+
 def onednn_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` through oneDNN, no autograd (x: [..., K], w: [N, K]); rows
-    padded to :func:`row_bucket` (the padding's rows are dropped)."""
+    padded to :func:`row_bucket`, at least ``MIN_ROWS`` (the padding's rows are dropped)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    mb = row_bucket(m)
+    mb = max(row_bucket(m), MIN_ROWS) if m else 0
     if mb == m:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
     xp = x.new_empty(mb, k)

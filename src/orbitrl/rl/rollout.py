@@ -188,11 +188,11 @@ def build_engine(cfg, model, tok, reference, device, prompt_len: int, devices: i
     engine = Engine(model, tok, kv_budget_bytes=budget, kv_dtype=kv_dtype,
                     block_size=r.block_size, seed=cfg.train.seed, packed_bytes=packed)
     # the trainer's forwards run these weights' GEMMs on oneDNN too (rl/batch.score,
-    # model/gemm.py), and both sides LoRA's A and B: the rollout's logprobs then round as
-    # the trainer's do
-    model.rollout_gemms = (tuple(engine.packed.mods) + tuple(engine.packed.plain) + tuple(
-        ab for m in model.modules() if isinstance(m, LoRALinear)
-        for ab in (m.lora_A, m.lora_B))) if engine.packed.mods else ()
+    # model/gemm.py), packed in the rollout or not, and both sides LoRA's A and B: the
+    # rollout's logprobs then round as the trainer's do
+    model.rollout_gemms = (tuple(engine.packed.mods) + tuple(engine.packed.route_plain())
+                           + tuple(ab for m in model.modules() if isinstance(m, LoRALinear)
+                                   for ab in (m.lora_A, m.lora_B))) if engine.packed.mods else ()
     if plan is not None:
         engine.max_blocks = plan["cap"]
     return engine, plan

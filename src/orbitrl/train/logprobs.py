@@ -78,7 +78,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse[t0:t1] = m + log_s
             ent[t0:t1] = lse[t0:t1] - sz / s
             # (z_y - max) - log(sum), not z_y - lse: lse rounds at its magnitude (SmolLM2's
-            # logits: 40-60, an ulp of 3.8e-6), and the rollout's sampler subtracts in
+            # reach 38 in a chat reply: an ulp of 3.8e-6 past 32), and the rollout's sampler subtracts in
             # this order too (engine/sampler.py): the two round alike
             sel[t0:t1] = (sel[t0:t1] - m) - log_s
         logp = torch.where(valid, sel, torch.zeros_like(lse))
