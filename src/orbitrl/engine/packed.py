@@ -331,9 +331,7 @@ class _Plain:
         if threading.get_ident() != self.owner._thread or x.dtype != torch.float32 or (
                 torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad)):
             return F.linear(x, m.weight, m.bias)
-        if x.dim() >= 2:
-            return gemm.onednn_mm(x, m.weight, m.bias)
-        return gemm.onednn_mm(x[None], m.weight, m.bias)[0]
+        return gemm.onednn_mm(x, m.weight, m.bias)  # (any leading shape, 1-D too)
 
 
 def _version(x: torch.Tensor) -> int | None:

@@ -41,12 +41,9 @@ def available() -> bool:
 # A decode step has at most a batch of rows; prefill chunks and training micro-batches
 # change their row count every step, so past EXACT_ROWS they are padded up to row_bucket's
 # counts (ledger/memory.py, which prices them): each row's product does not depend on the
-# others (the row-invariance above), so the bits do not move.
-
-
-# oneDNN multiplies one row over a plain weight as a matrix-vector product, whose bits
-# differ from the same row in a batch (2.7e-5 to 1.0e-4 on SmolLM2's shapes) and from a
-# packed copy's: a lone row is padded to two
+# others (the row-invariance above), so the bits do not move. One row over a plain weight
+# oneDNN multiplies as a matrix-vector product, whose bits differ from the same row in a
+# batch (2.7e-5 to 1.0e-4 on SmolLM2's shapes): a lone row is padded to two.
 MIN_ROWS = 2
 
 
